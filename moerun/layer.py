@@ -1,0 +1,157 @@
+"""The MoE layer: route -> plan -> experts -> combine (+ shared expert), on a chosen backend.
+
+Tensors are named canonically (`MoESpec.tensor_shapes`); converters from checkpoints and from
+transformers' blocks produce these names, and `MoELayer.from_tensors` checks them all at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from moerun.activations import GLU, Activation
+from moerun.backends import Backend, get_backend
+from moerun.plan import build_plan, build_token_plan
+from moerun.routing import RouteSpec, check_logits, router_logits
+from moerun.trace import layer_trace
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    hidden: int  # H
+    intermediate: int  # I, per expert
+    num_experts: int  # E
+    routing: RouteSpec
+    activation: Activation = field(default_factory=GLU)
+    router_bias: bool = False
+    score_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (choice only)
+    expert_bias: bool = False
+    shared_intermediate: int = 0  # 0: no shared expert
+    shared_gate: bool = False  # Qwen2-MoE: sigmoid(x · gate) scales the shared expert
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.k
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical tensor name -> shape. Projections are [out, in], experts stacked first."""
+        H, I, E = self.hidden, self.intermediate, self.num_experts
+        shapes = {"router.weight": (E, H), "experts.gate_up": (E, 2 * I, H), "experts.down": (E, H, I)}
+        if self.router_bias:
+            shapes["router.bias"] = (E,)
+        if self.score_bias:
+            shapes["router.score_bias"] = (E,)
+        if self.expert_bias:
+            shapes["experts.gate_up_bias"] = (E, 2 * I)
+            shapes["experts.down_bias"] = (E, H)
+        if self.shared_intermediate:
+            S = self.shared_intermediate
+            shapes["shared.gate_up"] = (2 * S, H)
+            shapes["shared.down"] = (H, S)
+            if self.shared_gate:
+                shapes["shared.gate"] = (1, H)
+        return shapes
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one expert's projections (weights and biases) in `dtype`."""
+        H, I = self.hidden, self.intermediate
+        elements = 3 * H * I + (2 * I + H if self.expert_bias else 0)
+        return elements * torch.empty((), dtype=dtype).element_size()
+
+
+class StateDictError(ValueError):
+    """Tensors that do not fit a layer's spec."""
+
+
+_ROUTER_TENSORS = ("router.weight", "router.bias", "router.score_bias", "shared.gate")
+
+
+class MoELayer:
+    """One MoE block. Call it with x [T, H] or [B, T, H]; returns the same shape and dtype."""
+
+    def __init__(self, spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str = "moe",
+                 backend: str | Backend = "torch"):
+        self.spec = spec
+        self.name = name
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.tensors = dict(tensors)
+
+    @classmethod
+    def from_tensors(cls, spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str = "moe",
+                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                     backend: str = "torch") -> MoELayer:
+        """Check every tensor against the spec (all problems in one error), then build the layer.
+
+        Router tensors are kept in fp32; the rest take `dtype` (default: as given)."""
+        check_tensors(spec, tensors, name)
+        placed = {}
+        for key, tensor in tensors.items():
+            target = torch.float32 if key in _ROUTER_TENSORS else (dtype or tensor.dtype)
+            placed[key] = tensor.detach().to(device=device, dtype=target).contiguous()
+        return cls(spec, placed, name=name, backend=backend)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.spec.hidden)  # [T, H]
+        out = self.forward(x)
+        return out.reshape(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec, t, backend = self.spec, self.tensors, self.backend
+        trace = layer_trace(self.name)
+        with trace.stage("route", x.device):
+            logits = router_logits(x, t["router.weight"], t.get("router.bias"))  # [T, E] fp32
+            if trace.buffers:
+                trace.router_figures(logits, None, None, spec.num_experts)
+            check_logits(logits, self.name)
+            weights, ids = spec.routing.select(logits, t.get("router.score_bias"))  # [T, k]
+            if trace.buffers:
+                trace.router_figures(logits, ids, weights, spec.num_experts)
+        if x.shape[0] == 1:
+            with trace.stage("plan", x.device):
+                plan = build_token_plan(ids, weights, self.name)
+            with trace.stage("experts", x.device):
+                rows = backend.token_rows(x[0], plan, t, spec.activation)  # [k, H] fp32
+            with trace.stage("combine", x.device):
+                out = backend.combine_token(rows)[None]  # [1, H] fp32
+        else:
+            with trace.stage("plan", x.device):
+                plan = build_plan(ids, weights, spec.num_experts)
+            with trace.stage("experts", x.device):
+                rows = backend.expert_rows(x, plan, t, spec.activation)  # [T*k, H] fp32
+            with trace.stage("combine", x.device):
+                out = backend.combine(rows, plan)  # [T, H] fp32
+        if spec.shared_intermediate:
+            with trace.stage("shared", x.device):
+                out = out + backend.shared_expert(x, t, spec.activation)
+        trace.finish(x.shape[0])
+        return out.to(x.dtype)
+
+
+def check_tensors(spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str,
+                  sources: Mapping[str, str] | None = None) -> None:
+    """Raise one StateDictError listing every missing, unexpected and mis-shaped tensor.
+
+    `sources` maps a canonical name to the checkpoint name it came from, for the message."""
+    def label(key: str) -> str:
+        return f"{key} ({sources[key]})" if sources and key in sources else key
+
+    expected = spec.tensor_shapes()
+    missing = [label(key) for key in expected if key not in tensors]
+    unexpected = [key for key in tensors if key not in expected]
+    misshaped = [f"{label(key)} is {tuple(tensors[key].shape)}, expected {shape}"
+                 for key, shape in expected.items() if key in tensors and tuple(tensors[key].shape) != shape]
+    not_float = [label(key) for key in expected if key in tensors and not tensors[key].is_floating_point()]
+    problems = []
+    if missing:
+        problems.append("missing " + ", ".join(missing))
+    if unexpected:
+        problems.append("unexpected " + ", ".join(unexpected))
+    if misshaped:
+        problems.append("mis-shaped: " + "; ".join(misshaped))
+    if not_float:
+        problems.append("not floating point: " + ", ".join(not_float))
+    if problems:
+        raise StateDictError(f"Tensors for MoE layer {name!r} do not fit its config: " + " | ".join(problems) + ".")

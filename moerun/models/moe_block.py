@@ -54,7 +54,8 @@ def export(model_type: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, to
         if canonical not in tensors:
             continue
         parts = source if isinstance(source, tuple) else (source,)
-        pieces = tensors[canonical].chunk(len(parts), dim=-2)
+        tensor = tensors[canonical]
+        pieces = tensor.chunk(len(parts), dim=-2) if len(parts) > 1 else (tensor,)
         for name, piece in zip(parts, pieces, strict=True):
             out[name] = piece.transpose(-1, -2) if name in transposed else piece
     return out

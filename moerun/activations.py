@@ -19,8 +19,13 @@ _GATE_FUNCTIONS = {
 }
 
 # Hugging Face `hidden_act` names and what they mean here.
-HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                  "gelu_new": "gelu_tanh"}
+HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
 
 
 @dataclass(frozen=True)

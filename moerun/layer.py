@@ -13,8 +13,9 @@ import torch
 
 from moerun.activations import GLU, Activation
 from moerun.backends import Backend, get_backend
+from moerun.backends.workspace import Workspace
 from moerun.plan import build_plan, build_token_plan
-from moerun.routing import RouteSpec, check_logits, router_logits
+from moerun.routing import RouteSpec, check_logits, route, router_logits
 from moerun.trace import layer_trace
 
 
@@ -71,17 +72,29 @@ _ROUTER_TENSORS = ("router.weight", "router.bias", "router.score_bias", "shared.
 class MoELayer:
     """One MoE block. Call it with x [T, H] or [B, T, H]; returns the same shape and dtype."""
 
-    def __init__(self, spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str = "moe",
-                 backend: str | Backend = "torch"):
+    def __init__(
+        self,
+        spec: MoESpec,
+        tensors: Mapping[str, torch.Tensor],
+        name: str = "moe",
+        backend: str | Backend = "torch",
+    ):
         self.spec = spec
         self.name = name
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.tensors = dict(tensors)
+        self.workspace = Workspace()
 
     @classmethod
-    def from_tensors(cls, spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str = "moe",
-                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                     backend: str = "torch") -> MoELayer:
+    def from_tensors(
+        cls,
+        spec: MoESpec,
+        tensors: Mapping[str, torch.Tensor],
+        name: str = "moe",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        backend: str = "torch",
+    ) -> MoELayer:
         """Check every tensor against the spec (all problems in one error), then build the layer.
 
         Router tensors are kept in fp32; the rest take `dtype` (default: as given)."""
@@ -106,7 +119,7 @@ class MoELayer:
             if trace.buffers:
                 trace.router_figures(logits, None, None, spec.num_experts)
             check_logits(logits, self.name)
-            weights, ids = spec.routing.select(logits, t.get("router.score_bias"))  # [T, k]
+            weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
             if trace.buffers:
                 trace.router_figures(logits, ids, weights, spec.num_experts)
         if x.shape[0] == 1:
@@ -120,9 +133,9 @@ class MoELayer:
             with trace.stage("plan", x.device):
                 plan = build_plan(ids, weights, spec.num_experts)
             with trace.stage("experts", x.device):
-                rows = backend.expert_rows(x, plan, t, spec.activation)  # [T*k, H] fp32
+                rows = backend.expert_rows(x, plan, t, spec.activation, self.workspace)  # [T*k, H] fp32
             with trace.stage("combine", x.device):
-                out = backend.combine(rows, plan)  # [T, H] fp32
+                out = backend.combine(rows, plan, self.workspace)  # [T, H] fp32
         if spec.shared_intermediate:
             with trace.stage("shared", x.device):
                 out = out + backend.shared_expert(x, t, spec.activation)
@@ -130,19 +143,24 @@ class MoELayer:
         return out.to(x.dtype)
 
 
-def check_tensors(spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str,
-                  sources: Mapping[str, str] | None = None) -> None:
+def check_tensors(
+    spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str, sources: Mapping[str, str] | None = None
+) -> None:
     """Raise one StateDictError listing every missing, unexpected and mis-shaped tensor.
 
     `sources` maps a canonical name to the checkpoint name it came from, for the message."""
+
     def label(key: str) -> str:
         return f"{key} ({sources[key]})" if sources and key in sources else key
 
     expected = spec.tensor_shapes()
     missing = [label(key) for key in expected if key not in tensors]
     unexpected = [key for key in tensors if key not in expected]
-    misshaped = [f"{label(key)} is {tuple(tensors[key].shape)}, expected {shape}"
-                 for key, shape in expected.items() if key in tensors and tuple(tensors[key].shape) != shape]
+    misshaped = [
+        f"{label(key)} is {tuple(tensors[key].shape)}, expected {shape}"
+        for key, shape in expected.items()
+        if key in tensors and tuple(tensors[key].shape) != shape
+    ]
     not_float = [label(key) for key in expected if key in tensors and not tensors[key].is_floating_point()]
     problems = []
     if missing:
@@ -154,4 +172,6 @@ def check_tensors(spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str,
     if not_float:
         problems.append("not floating point: " + ", ".join(not_float))
     if problems:
-        raise StateDictError(f"Tensors for MoE layer {name!r} do not fit its config: " + " | ".join(problems) + ".")
+        raise StateDictError(
+            f"Tensors for MoE layer {name!r} do not fit its config: " + " | ".join(problems) + "."
+        )

@@ -49,8 +49,12 @@ def transformers_block(model_type: str, hf_config, dtype: torch.dtype = torch.fl
     return block.to_empty(device="cpu").to(dtype).eval()
 
 
-def peer_block(model_type: str, config: Mapping, block_tensors: Mapping[str, torch.Tensor],
-               experts_implementation: str = "grouped_mm") -> torch.nn.Module:
+def peer_block(
+    model_type: str,
+    config: Mapping,
+    block_tensors: Mapping[str, torch.Tensor],
+    experts_implementation: str = "grouped_mm",
+) -> torch.nn.Module:
     """transformers' block whose parameters are the given tensors (shared, not copied)."""
     block = transformers_block(model_type, transformers_config(model_type, config, experts_implementation))
     for name, tensor in block_tensors.items():

@@ -40,8 +40,13 @@ def build_plan(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Ba
     torch.cumsum(counts, dim=0, out=offsets[1:])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=ids.device)
-    return BatchedPlan(order=order, offsets=offsets, row_weights=weights.reshape(-1)[order].float(),
-                       inverse=inverse, top_k=top_k)
+    return BatchedPlan(
+        order=order,
+        offsets=offsets,
+        row_weights=weights.reshape(-1)[order].float(),
+        inverse=inverse,
+        top_k=top_k,
+    )
 
 
 @dataclass(frozen=True)

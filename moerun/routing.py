@@ -128,6 +128,14 @@ def _group_mask(group_scores: torch.Tensor, topk_group: int, shape: torch.Size) 
     return keep_group.repeat_interleave(shape[1] // group_scores.shape[1], dim=1)
 
 
+def route(spec: RouteSpec, logits: torch.Tensor, score_bias: torch.Tensor | None = None):
+    """logits [T, E] fp32 -> (weights [T, k] fp32, ids [T, k] int64), each token's slots ordered by
+    expert id, so the plan's order inside a token is its slot order."""
+    weights, ids = spec.select(logits, score_bias)
+    ids, slot_order = torch.sort(ids, dim=-1)
+    return weights.gather(-1, slot_order), ids
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, H] (any float dtype) · weight [E, H]ᵀ (+ bias [E]) in fp32 -> [T, E] fp32."""
     return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())

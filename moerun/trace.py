@@ -36,15 +36,17 @@ class LayerTrace:
         _sync(device)
         self.times_ms[name] = self.times_ms.get(name, 0.0) + (time.perf_counter() - start) * 1e3
 
-    def router_figures(self, logits: torch.Tensor, ids: torch.Tensor | None, weights: torch.Tensor | None,
-                       num_experts: int) -> None:
+    def router_figures(
+        self, logits: torch.Tensor, ids: torch.Tensor | None, weights: torch.Tensor | None, num_experts: int
+    ) -> None:
         """Print the router's sanity figures: logits [T, E] fp32, ids [T, k], weights [T, k]."""
         if not self.buffers:
             return
         finite = logits[torch.isfinite(logits)]
         parts = [
-            f"logits min={finite.min().item():.4g} max={finite.max().item():.4g}" if finite.numel() else
-            "logits min=n/a max=n/a",
+            f"logits min={finite.min().item():.4g} max={finite.max().item():.4g}"
+            if finite.numel()
+            else "logits min=n/a max=n/a",
             f"nan={int(torch.isnan(logits).sum())} inf={int(torch.isinf(logits).sum())}",
         ]
         if ids is not None and weights is not None:

@@ -35,8 +35,10 @@ sys.stdout.write(out.float().numpy().tobytes().hex())
 
 
 def test_bitwise_same_output_across_processes():
-    runs = [subprocess.run([sys.executable, "-c", _RUN_ONCE], capture_output=True, text=True, check=True).stdout
-            for _ in range(2)]
+    runs = [
+        subprocess.run([sys.executable, "-c", _RUN_ONCE], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    ]
     assert runs[0] and runs[0] == runs[1]
 
 
@@ -71,10 +73,14 @@ def test_bad_state_dict_lists_every_problem():
     with pytest.raises(StateDictError) as err:
         layer_from_transformers("qwen2_moe", config, state, name="layers.5.mlp")
     message = str(err.value)
-    for expected in ["layers.5.mlp", "missing router.weight (gate.weight)",
-                     "shared.gate_up (shared_expert.gate_proj.weight + shared_expert.up_proj.weight)",
-                     "experts.down (experts.down_proj) is (8, 32, 23), expected (8, 32, 24)",
-                     "shared.gate (shared_expert_gate.weight)", "unexpected experts.extra"]:
+    for expected in [
+        "layers.5.mlp",
+        "missing router.weight (gate.weight)",
+        "shared.gate_up (shared_expert.gate_proj.weight + shared_expert.up_proj.weight)",
+        "experts.down (experts.down_proj) is (8, 32, 23), expected (8, 32, 24)",
+        "shared.gate (shared_expert_gate.weight)",
+        "unexpected experts.extra",
+    ]:
         assert expected in message
 
 

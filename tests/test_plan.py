@@ -36,11 +36,11 @@ def test_batched_plan_properties(routing):
     offsets = plan.offsets.tolist()
     assert len(offsets) == experts + 1 and offsets[0] == 0 and offsets[-1] == tokens * top_k
     for e in range(experts):
-        assert all(x == e for x in row_experts[offsets[e]:offsets[e + 1]])
+        assert all(x == e for x in row_experts[offsets[e] : offsets[e + 1]])
         assert offsets[e + 1] - offsets[e] == flat.count(e)
     # stable within a group: assignment numbers ascend
     for e in range(experts):
-        group = order[offsets[e]:offsets[e + 1]]
+        group = order[offsets[e] : offsets[e + 1]]
         assert group == sorted(group)
     # per-row weights and tokens follow the rows; the inverse restores assignment order
     assert torch.equal(plan.row_weights, weights.reshape(-1)[plan.order])

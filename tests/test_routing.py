@@ -5,8 +5,15 @@ import math
 import pytest
 import torch
 
-from moerun.routing import (DeepSeekV2Softmax, DeepSeekV3Sigmoid, RouterError, SoftmaxTopK, SparseMixer,
-                            TopKSoftmax, check_logits)
+from moerun.routing import (
+    DeepSeekV2Softmax,
+    DeepSeekV3Sigmoid,
+    RouterError,
+    SoftmaxTopK,
+    SparseMixer,
+    TopKSoftmax,
+    check_logits,
+)
 
 
 def test_softmax_topk_closed_form():
@@ -29,8 +36,9 @@ def test_topk_softmax_closed_form():
 def test_deepseek_v2_group_limited_skips_the_weak_group():
     # groups {0,1} and {2,3}: the best single score lies in group 1, so group 0's experts are excluded
     logits = torch.tensor([[2.0, 1.9, 3.0, -5.0]])
-    weights, ids = DeepSeekV2Softmax(k=2, routed_scaling=2.0, n_group=2, topk_group=1,
-                                     group_limited=True).select(logits)
+    weights, ids = DeepSeekV2Softmax(
+        k=2, routed_scaling=2.0, n_group=2, topk_group=1, group_limited=True
+    ).select(logits)
     probs = torch.softmax(logits, dim=-1)[0]
     assert ids.tolist() == [[2, 3]]
     assert torch.allclose(weights, 2.0 * probs[[2, 3]][None], rtol=1e-6)
@@ -54,8 +62,15 @@ def test_deepseek_v3_matches_transformers_router(norm):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    config = DeepseekV3Config(hidden_size=16, n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=3,
-                              norm_topk_prob=norm, routed_scaling_factor=2.5)
+    config = DeepseekV3Config(
+        hidden_size=16,
+        n_routed_experts=32,
+        num_experts_per_tok=6,
+        n_group=8,
+        topk_group=3,
+        norm_topk_prob=norm,
+        routed_scaling_factor=2.5,
+    )
     router = DeepseekV3TopkRouter(config)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moerun.activations import Activation
+from moerun.backends.workspace import Workspace
 from moerun.plan import BatchedPlan, TokenPlan
 
 
@@ -28,33 +29,55 @@ def _expert_forward(x: torch.Tensor, t: Mapping[str, torch.Tensor], e: int, act:
     return F.linear(a, down, None if down_bias is None else down_bias[e])  # [R, H]
 
 
-def expert_rows(x: torch.Tensor, plan: BatchedPlan, t: Mapping[str, torch.Tensor],
-                act: Activation) -> torch.Tensor:
-    """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order."""
-    rows = torch.empty(plan.order.numel(), x.shape[1], dtype=torch.float32, device=x.device)
-    gathered = x.index_select(0, plan.row_tokens)  # [T*k, H]
+def expert_rows(
+    x: torch.Tensor, plan: BatchedPlan, t: Mapping[str, torch.Tensor], act: Activation, ws: Workspace
+) -> torch.Tensor:
+    """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order
+    (a view of `ws`, valid until the next call)."""
+    num_rows = plan.order.numel()
+    rows = ws.get("rows", (num_rows, x.shape[1]), torch.float32, x.device)
+    gathered = torch.index_select(
+        x, 0, plan.row_tokens, out=ws.get("gathered", (num_rows, x.shape[1]), x.dtype, x.device)
+    )  # [T*k, H]
     offsets = plan.offsets.tolist()
     for e in range(len(offsets) - 1):
         start, end = offsets[e], offsets[e + 1]
         if start == end:
             continue
         y = _expert_forward(gathered[start:end], t, e, act)
-        torch.mul(y.float(), plan.row_weights[start:end, None], out=rows[start:end])
+        torch.mul(y, plan.row_weights[start:end, None], out=rows[start:end])
     return rows
 
 
-def combine(rows: torch.Tensor, plan: BatchedPlan) -> torch.Tensor:
+def combine(rows: torch.Tensor, plan: BatchedPlan, ws: Workspace) -> torch.Tensor:
     """rows [T*k, H] fp32 in plan order -> out [T, H] fp32: each token's rows summed in plan order."""
-    token_rows = plan.inverse.view(plan.num_tokens, plan.top_k).sort(dim=1).values  # [T, k] ascending rows
-    return rows[token_rows].sum(dim=1)
+    # a token's slots are ordered by expert id (see moerun.routing.route), so its rows, read through
+    # the inverse, come in plan order
+    by_token = torch.index_select(
+        rows, 0, plan.inverse, out=ws.get("by_token", rows.shape, rows.dtype, rows.device)
+    )
+    by_token = by_token.view(plan.num_tokens, plan.top_k, rows.shape[1])
+    return by_token.sum(dim=1)
 
 
-def token_rows(x: torch.Tensor, plan: TokenPlan, t: Mapping[str, torch.Tensor], act: Activation) -> torch.Tensor:
+def token_rows(
+    x: torch.Tensor, plan: TokenPlan, t: Mapping[str, torch.Tensor], act: Activation
+) -> torch.Tensor:
     """One token x [H] -> weighted outputs [k, H] fp32 of its experts, ascending."""
     rows = torch.empty(len(plan.experts), x.shape[0], dtype=torch.float32, device=x.device)
-    x = x[None]  # [1, H]
+    gate_up_bias = t.get("experts.gate_up_bias")
+    down_bias = t.get("experts.down_bias")
+    x = x.to(t["experts.gate_up"].dtype)
     for i, e in enumerate(plan.experts):
-        torch.mul(_expert_forward(x, t, e, act)[0].float(), plan.weights[i], out=rows[i])
+        # torch.mv: on CPU its bf16 path reads weights ~1.4x faster than a 1-row F.linear
+        h = torch.mv(t["experts.gate_up"][e], x)  # [2I]
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e]
+        down = t["experts.down"][e]  # [H, I]
+        y = torch.mv(down, act(h.float()).to(down.dtype))  # [H]
+        if down_bias is not None:
+            y = y + down_bias[e]
+        torch.mul(y, plan.weights[i], out=rows[i])
     return rows
 
 

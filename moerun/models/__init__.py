@@ -10,8 +10,17 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3",
-            "phimoe", "granitemoe")
+FAMILIES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+    "phimoe",
+    "granitemoe",
+)
 
 
 def family(model_type: str) -> ModuleType:

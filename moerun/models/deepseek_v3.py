@@ -6,16 +6,26 @@ from moerun.layer import MoESpec
 from moerun.models.moe_block import first, fused_expert_names, shared_mlp_names
 from moerun.routing import DeepSeekV3Sigmoid
 
-MOE_NAMES = {**fused_expert_names(router="gate"), "router.score_bias": "gate.e_score_correction_bias",
-             **shared_mlp_names("shared_experts")}
+MOE_NAMES = {
+    **fused_expert_names(router="gate"),
+    "router.score_bias": "gate.e_score_correction_bias",
+    **shared_mlp_names("shared_experts"),
+}
 
 
 def moe_spec(config: dict) -> MoESpec:
-    return MoESpec(hidden=config["hidden_size"], intermediate=config["moe_intermediate_size"],
-                   num_experts=first(config, "n_routed_experts", "num_local_experts", "num_experts"),
-                   routing=DeepSeekV3Sigmoid(k=config["num_experts_per_tok"], n_group=config["n_group"],
-                                             topk_group=config["topk_group"],
-                                             renormalize=bool(config.get("norm_topk_prob", True)),
-                                             routed_scaling=config.get("routed_scaling_factor", 1.0)),
-                   activation=GLU.from_hf(config.get("hidden_act", "silu")), score_bias=True,
-                   shared_intermediate=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0))
+    return MoESpec(
+        hidden=config["hidden_size"],
+        intermediate=config["moe_intermediate_size"],
+        num_experts=first(config, "n_routed_experts", "num_local_experts", "num_experts"),
+        routing=DeepSeekV3Sigmoid(
+            k=config["num_experts_per_tok"],
+            n_group=config["n_group"],
+            topk_group=config["topk_group"],
+            renormalize=bool(config.get("norm_topk_prob", True)),
+            routed_scaling=config.get("routed_scaling_factor", 1.0),
+        ),
+        activation=GLU.from_hf(config.get("hidden_act", "silu")),
+        score_bias=True,
+        shared_intermediate=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
+    )

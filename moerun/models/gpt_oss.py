@@ -6,16 +6,26 @@ from moerun.layer import MoESpec
 from moerun.models.moe_block import first
 from moerun.routing import TopKSoftmax
 
-MOE_NAMES = {"router.weight": "router.weight", "router.bias": "router.bias",
-             "experts.gate_up": "experts.gate_up_proj", "experts.gate_up_bias": "experts.gate_up_proj_bias",
-             "experts.down": "experts.down_proj", "experts.down_bias": "experts.down_proj_bias"}
+MOE_NAMES = {
+    "router.weight": "router.weight",
+    "router.bias": "router.bias",
+    "experts.gate_up": "experts.gate_up_proj",
+    "experts.gate_up_bias": "experts.gate_up_proj_bias",
+    "experts.down": "experts.down_proj",
+    "experts.down_bias": "experts.down_proj_bias",
+}
 TRANSPOSED = frozenset({"experts.gate_up_proj", "experts.down_proj"})
 
 
 def moe_spec(config: dict) -> MoESpec:
-    return MoESpec(hidden=config["hidden_size"], intermediate=config["intermediate_size"],
-                   num_experts=first(config, "num_local_experts", "num_experts"),
-                   routing=TopKSoftmax(k=first(config, "num_experts_per_tok", "experts_per_token")),
-                   activation=GptOssSwiGLU(alpha=config.get("swiglu_alpha", 1.702),
-                                           limit=config.get("swiglu_limit", 7.0)),
-                   router_bias=True, expert_bias=True)
+    return MoESpec(
+        hidden=config["hidden_size"],
+        intermediate=config["intermediate_size"],
+        num_experts=first(config, "num_local_experts", "num_experts"),
+        routing=TopKSoftmax(k=first(config, "num_experts_per_tok", "experts_per_token")),
+        activation=GptOssSwiGLU(
+            alpha=config.get("swiglu_alpha", 1.702), limit=config.get("swiglu_limit", 7.0)
+        ),
+        router_bias=True,
+        expert_bias=True,
+    )

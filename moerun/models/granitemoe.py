@@ -9,7 +9,10 @@ MOE_NAMES = fused_expert_names(router="router")
 
 
 def moe_spec(config: dict) -> MoESpec:
-    return MoESpec(hidden=config["hidden_size"], intermediate=config["intermediate_size"],
-                   num_experts=first(config, "num_local_experts", "num_experts"),
-                   routing=TopKSoftmax(k=config["num_experts_per_tok"]),
-                   activation=GLU.from_hf(config.get("hidden_act", "silu")))
+    return MoESpec(
+        hidden=config["hidden_size"],
+        intermediate=config["intermediate_size"],
+        num_experts=first(config, "num_local_experts", "num_experts"),
+        routing=TopKSoftmax(k=config["num_experts_per_tok"]),
+        activation=GLU.from_hf(config.get("hidden_act", "silu")),
+    )

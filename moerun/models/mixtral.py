@@ -9,7 +9,10 @@ MOE_NAMES = fused_expert_names(router="gate")
 
 
 def moe_spec(config: dict) -> MoESpec:
-    return MoESpec(hidden=config["hidden_size"], intermediate=config["intermediate_size"],
-                   num_experts=first(config, "num_local_experts", "num_experts"),
-                   routing=SoftmaxTopK(k=config["num_experts_per_tok"], renormalize=True),
-                   activation=GLU.from_hf(config.get("hidden_act", "silu")))
+    return MoESpec(
+        hidden=config["hidden_size"],
+        intermediate=config["intermediate_size"],
+        num_experts=first(config, "num_local_experts", "num_experts"),
+        routing=SoftmaxTopK(k=config["num_experts_per_tok"], renormalize=True),
+        activation=GLU.from_hf(config.get("hidden_act", "silu")),
+    )

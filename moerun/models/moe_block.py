@@ -21,16 +21,23 @@ def first(config: Mapping, *keys: str):
 
 def fused_expert_names(router: str) -> dict[str, str]:
     """transformers' fused 3-D expert tensors ([E, 2I, H] gate|up, [E, H, I] down) and router weight."""
-    return {"router.weight": f"{router}.weight", "experts.gate_up": "experts.gate_up_proj",
-            "experts.down": "experts.down_proj"}
+    return {
+        "router.weight": f"{router}.weight",
+        "experts.gate_up": "experts.gate_up_proj",
+        "experts.down": "experts.down_proj",
+    }
 
 
 def shared_mlp_names(prefix: str) -> dict[str, str | tuple[str, ...]]:
-    return {"shared.gate_up": (f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"),
-            "shared.down": f"{prefix}.down_proj.weight"}
+    return {
+        "shared.gate_up": (f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"),
+        "shared.down": f"{prefix}.down_proj.weight",
+    }
 
 
-def sanitize(model_type: str, block_tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+def sanitize(
+    model_type: str, block_tensors: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict]:
     """transformers' block state dict -> (canonical tensors, canonical name -> source name)."""
     fam = family(model_type)
     transposed = getattr(fam, "TRANSPOSED", frozenset())
@@ -61,14 +68,21 @@ def export(model_type: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, to
     return out
 
 
-def layer_from_transformers(model_type: str, config: Mapping, block_state: Mapping[str, torch.Tensor],
-                            name: str = "moe", dtype: torch.dtype | None = None,
-                            device: torch.device | str | None = None, backend: str = "torch") -> MoELayer:
+def layer_from_transformers(
+    model_type: str,
+    config: Mapping,
+    block_state: Mapping[str, torch.Tensor],
+    name: str = "moe",
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    backend: str = "torch",
+) -> MoELayer:
     """A moerun layer from a transformers MoE block's config dict and state dict."""
     spec: MoESpec = family(model_type).moe_spec(dict(config))
     tensors, sources = sanitize(model_type, block_state)
-    known = set(sources.values()) | {p for s in family(model_type).MOE_NAMES.values() if isinstance(s, tuple)
-                                     for p in s}
+    known = set(sources.values()) | {
+        p for s in family(model_type).MOE_NAMES.values() if isinstance(s, tuple) for p in s
+    }
     extra = {k: v for k, v in block_state.items() if k not in known}
     check_tensors(spec, {**tensors, **extra}, name, sources)
     return MoELayer.from_tensors(spec, tensors, name=name, dtype=dtype, device=device, backend=backend)

@@ -11,8 +11,13 @@ MOE_NAMES = fused_expert_names(router="router")
 def moe_spec(config: dict) -> MoESpec:
     k = config.get("num_experts_per_tok", 2)
     if k != 2:
-        raise ValueError(f"PhiMoE's sparsemixer routes 2 experts per token; config has num_experts_per_tok={k}.")
-    return MoESpec(hidden=config["hidden_size"], intermediate=config["intermediate_size"],
-                   num_experts=first(config, "num_local_experts", "num_experts"),
-                   routing=SparseMixer(jitter_eps=config.get("router_jitter_noise", 0.01)),
-                   activation=GLU.from_hf(config.get("hidden_act", "silu")))
+        raise ValueError(
+            f"PhiMoE's sparsemixer routes 2 experts per token; config has num_experts_per_tok={k}."
+        )
+    return MoESpec(
+        hidden=config["hidden_size"],
+        intermediate=config["intermediate_size"],
+        num_experts=first(config, "num_local_experts", "num_experts"),
+        routing=SparseMixer(jitter_eps=config.get("router_jitter_noise", 0.01)),
+        activation=GLU.from_hf(config.get("hidden_act", "silu")),
+    )

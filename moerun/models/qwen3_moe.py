@@ -9,8 +9,12 @@ MOE_NAMES = fused_expert_names(router="gate")
 
 
 def moe_spec(config: dict) -> MoESpec:
-    return MoESpec(hidden=config["hidden_size"], intermediate=config["moe_intermediate_size"],
-                   num_experts=first(config, "num_experts", "num_local_experts"),
-                   routing=SoftmaxTopK(k=config["num_experts_per_tok"],
-                                       renormalize=bool(config.get("norm_topk_prob", False))),
-                   activation=GLU.from_hf(config.get("hidden_act", "silu")))
+    return MoESpec(
+        hidden=config["hidden_size"],
+        intermediate=config["moe_intermediate_size"],
+        num_experts=first(config, "num_experts", "num_local_experts"),
+        routing=SoftmaxTopK(
+            k=config["num_experts_per_tok"], renormalize=bool(config.get("norm_topk_prob", False))
+        ),
+        activation=GLU.from_hf(config.get("hidden_act", "silu")),
+    )

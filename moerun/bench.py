@@ -1,0 +1,215 @@
+"""`moerun bench`: one synthetic MoE layer with the shapes of a real model, random weights.
+
+Measures prefill (T tokens at once) and decode (one token per step, a fresh random token each
+step) tokens/s, the bytes/s of expert weights decode reads, and a memory-copy bandwidth measured in
+the same run as the roofline. When transformers is installed, its own MoE block of the same family
+runs on the very same weight tensors, so the ratios compare like with like on this machine now.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moerun.layer import MoELayer
+from moerun.models import family
+from moerun.models.moe_block import export
+from moerun.peers import peer_block, run_peer, transformers_available
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    model_type: str
+    config: dict  # the model's config.json keys that shape one MoE layer
+
+
+SHAPES = {
+    "olmoe": BenchShape(
+        "olmoe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=1024,
+            num_experts=64,
+            num_experts_per_tok=8,
+            norm_topk_prob=False,
+        ),
+    ),
+    "qwen3-30b-a3b": BenchShape(
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+        ),
+    ),
+    "mixtral-8x7b": BenchShape(
+        "mixtral", dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2)
+    ),
+    "gpt-oss-20b": BenchShape(
+        "gpt_oss",
+        dict(
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            swiglu_limit=7.0,
+        ),
+    ),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def random_layer(shape: BenchShape, dtype: torch.dtype, device: str, seed: int = 0) -> MoELayer:
+    """A layer of `shape` with uniform random weights scaled like a trained model's (unit-ish outputs)."""
+    spec = family(shape.model_type).moe_spec(shape.config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, dims in spec.tensor_shapes().items():
+        fan_in = dims[-1] if len(dims) > 1 and not name.endswith("bias") else 1
+        bound = (3.0 / fan_in) ** 0.5 if fan_in > 1 else 0.1
+        router = name.startswith("router.")
+        tensor = torch.empty(dims, dtype=torch.float32 if router else dtype, device=device)
+        tensors[name] = tensor.uniform_(-bound, bound, generator=gen)
+    return MoELayer(spec, tensors, name=f"bench.{shape.model_type}")
+
+
+def copy_bandwidth(device: str, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Best observed bytes/s of a large device copy, counting bytes read plus bytes written."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src), device) for _ in range(repeats))
+    return 2 * nbytes / best
+
+
+def _timed(fn: Callable[[], object], device: str) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _measure(
+    contenders: dict[str, Callable],
+    x_prefill: torch.Tensor,
+    x_decode: torch.Tensor,
+    device: str,
+    repeats: int,
+) -> dict[str, tuple[float, float]]:
+    """name -> (median prefill seconds, median seconds per decode step).
+
+    Contenders run interleaved, call by call, so drift in a shared machine's speed hits them alike.
+    Decode feeds a fresh random token [1, H] each step, so each step routes anew."""
+    for forward in contenders.values():  # warm-up: first-call allocations and kernel selection
+        forward(x_prefill)
+        forward(x_decode[:1])
+    prefill = {name: [] for name in contenders}
+    decode = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, forward in contenders.items():
+            prefill[name].append(_timed(lambda f=forward: f(x_prefill), device))
+    for i in range(1, x_decode.shape[0]):
+        for name, forward in contenders.items():
+            decode[name].append(_timed(lambda f=forward, i=i: f(x_decode[i : i + 1]), device))
+    return {name: (statistics.median(prefill[name]), statistics.median(decode[name])) for name in contenders}
+
+
+def run_bench(
+    shape_name: str = "olmoe",
+    dtype: str = "bf16",
+    device: str | None = None,
+    prefill_tokens: int = 512,
+    decode_steps: int = 32,
+    repeats: int = 5,
+    peer: bool = True,
+    peer_impl: str = "grouped_mm",
+    shape: BenchShape | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict:
+    """Run the benchmark and return its figures (see the module docstring)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shape = shape or SHAPES[shape_name]
+    torch_dtype = DTYPES[dtype]
+    log(f"building a random {shape_name} layer ({dtype}, {device})")
+    layer = random_layer(shape, torch_dtype, device)
+    spec = layer.spec
+    gen = torch.Generator(device=device).manual_seed(1)
+    x_prefill = torch.randn(prefill_tokens, spec.hidden, generator=gen, device=device).to(torch_dtype)
+    x_decode = torch.randn(decode_steps + 1, spec.hidden, generator=gen, device=device).to(torch_dtype)
+
+    results = {
+        "shape": shape_name,
+        "dtype": dtype,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "prefill_tokens": prefill_tokens,
+        "expert_bytes": spec.expert_bytes(torch_dtype),
+        "top_k": spec.top_k,
+        "num_experts": spec.num_experts,
+        "peer": None,
+    }
+    contenders = {"moerun": layer}
+    if peer and transformers_available():
+        # transformers keeps its router in the model dtype: only those small tensors are copied
+        peer_tensors = {k: v.to(torch_dtype) for k, v in export(shape.model_type, layer.tensors).items()}
+        block = peer_block(shape.model_type, shape.config, peer_tensors, experts_implementation=peer_impl)
+        contenders["peer"] = lambda x: run_peer(block, x)
+        results["peer"] = f"transformers {block.__class__.__name__} (experts_implementation={peer_impl})"
+    with torch.inference_mode():
+        log("measuring copy bandwidth")
+        results["copy_bytes_per_s"] = copy_bandwidth(device)
+        log(f"prefill T={prefill_tokens} x{repeats} and {decode_steps} decode steps: {', '.join(contenders)}")
+        times = _measure(contenders, x_prefill, x_decode, device, repeats)
+    prefill_s, decode_s = times["moerun"]
+    results["prefill_tok_s"] = prefill_tokens / prefill_s
+    results["decode_tok_s"] = 1.0 / decode_s
+    results["decode_weight_bytes_per_s"] = spec.top_k * spec.expert_bytes(torch_dtype) / decode_s
+    results["decode_roofline_fraction"] = results["decode_weight_bytes_per_s"] / results["copy_bytes_per_s"]
+    results["peer_prefill_tok_s"] = results["peer_decode_tok_s"] = None
+    if "peer" in times:
+        peer_prefill_s, peer_decode_s = times["peer"]
+        results["peer_prefill_tok_s"] = prefill_tokens / peer_prefill_s
+        results["peer_decode_tok_s"] = 1.0 / peer_decode_s
+        results["prefill_vs_peer"] = peer_prefill_s / prefill_s
+        results["decode_vs_peer"] = peer_decode_s / decode_s
+        with torch.inference_mode():
+            ours, theirs = layer(x_prefill).float(), contenders["peer"](x_prefill).float()
+        results["peer_max_rel_diff"] = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    return results
+
+
+def format_table(r: dict) -> str:
+    gb = 1e9
+    lines = [
+        f"moerun bench  shape={r['shape']}  dtype={r['dtype']}  device={r['device']}  threads={r['threads']}",
+        f"  experts={r['num_experts']} top_k={r['top_k']}  bytes/expert={r['expert_bytes'] / 2**20:.1f} MiB",
+        f"  copy bandwidth (read+write)       {r['copy_bytes_per_s'] / gb:8.1f} GB/s",
+        f"  prefill T={r['prefill_tokens']:<5}                {r['prefill_tok_s']:8.1f} tok/s",
+        f"  decode                            {r['decode_tok_s']:8.1f} tok/s",
+        f"  decode expert bytes read          {r['decode_weight_bytes_per_s'] / gb:8.1f} GB/s "
+        f"({100 * r['decode_roofline_fraction']:.0f}% of copy bandwidth)",
+    ]
+    if r["peer"]:
+        lines += [
+            f"  peer: {r['peer']}",
+            f"  peer prefill                      {r['peer_prefill_tok_s']:8.1f} tok/s "
+            f"(moerun {r['prefill_vs_peer']:.2f}x)",
+            f"  peer decode                       {r['peer_decode_tok_s']:8.1f} tok/s "
+            f"(moerun {r['decode_vs_peer']:.2f}x)",
+            f"  outputs agree with the peer to   {r['peer_max_rel_diff']:.1e} (max |diff| / max |peer|)",
+        ]
+    else:
+        lines.append("  peer: transformers not installed (pip install transformers) - no ratios")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""The `moerun` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from moerun.bench import format_table, run_bench
+
+    def log(message: str) -> None:
+        if not args.json:
+            print(f"... {message}", file=sys.stderr, flush=True)
+
+    results = run_bench(
+        shape_name=args.shape,
+        dtype=args.dtype,
+        device=args.device,
+        prefill_tokens=args.prefill_tokens,
+        decode_steps=args.decode_steps,
+        peer=not args.no_peer,
+        peer_impl=args.peer_impl,
+        log=log,
+    )
+    print(json.dumps(results) if args.json else format_table(results))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from moerun.bench import DTYPES, SHAPES
+
+    parser = argparse.ArgumentParser(prog="moerun", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="benchmark one MoE layer with a real model's shapes")
+    bench.add_argument("--shape", choices=sorted(SHAPES), default="olmoe")
+    bench.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    bench.add_argument("--prefill-tokens", type=int, default=512)
+    bench.add_argument("--decode-steps", type=int, default=32)
+    bench.add_argument(
+        "--peer-impl",
+        choices=["grouped_mm", "eager"],
+        default="grouped_mm",
+        help="transformers' experts implementation to compare with (its default: grouped_mm)",
+    )
+    bench.add_argument("--no-peer", action="store_true", help="skip transformers' block")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""`moerun bench` on a tiny shape: it runs end to end, its figures are self-consistent, and its
+peer computes the same function as the layer."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moerun import bench, cli
+from moerun.bench import BenchShape, run_bench
+
+TINY = BenchShape(
+    "qwen3_moe",
+    dict(
+        hidden_size=64, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True
+    ),
+)
+TINY_GPT_OSS = BenchShape(
+    "gpt_oss",
+    dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, swiglu_limit=7.0),
+)
+
+
+@pytest.mark.parametrize("shape", [TINY, TINY_GPT_OSS], ids=["qwen3_moe", "gpt_oss"])
+def test_bench_figures_and_peer_agreement(shape):
+    r = run_bench(
+        "tiny", dtype="fp32", device="cpu", prefill_tokens=40, decode_steps=4, repeats=2, shape=shape
+    )
+    for key in (
+        "prefill_tok_s",
+        "decode_tok_s",
+        "decode_weight_bytes_per_s",
+        "copy_bytes_per_s",
+        "peer_prefill_tok_s",
+        "peer_decode_tok_s",
+    ):
+        assert r[key] > 0, key
+    # one expert's bytes, counted from the transformers config independently of MoESpec
+    c = shape.config
+    inter = c.get("moe_intermediate_size", c.get("intermediate_size"))
+    bias = 2 * inter + c["hidden_size"] if shape.model_type == "gpt_oss" else 0  # gate_up and down biases
+    assert r["expert_bytes"] == 4 * (3 * c["hidden_size"] * inter + bias)
+    assert r["decode_weight_bytes_per_s"] == pytest.approx(
+        c["num_experts_per_tok"] * r["expert_bytes"] * r["decode_tok_s"]
+    )
+    assert r["peer_max_rel_diff"] <= 1e-5
+
+
+def test_cli_json_has_the_documented_keys(monkeypatch, capsys):
+    monkeypatch.setitem(bench.SHAPES, "tiny", TINY)
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--shape",
+                "tiny",
+                "--dtype",
+                "bf16",
+                "--prefill-tokens",
+                "16",
+                "--decode-steps",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    record = json.loads(capsys.readouterr().out)
+    for key in (
+        "prefill_tok_s",
+        "decode_tok_s",
+        "decode_weight_bytes_per_s",
+        "copy_bytes_per_s",
+        "peer_prefill_tok_s",
+        "peer_decode_tok_s",
+    ):
+        assert record[key] > 0
+    assert (record["shape"], record["dtype"], record["device"]) == ("tiny", "bf16", "cpu")
+
+
+def test_cli_table_without_peer(monkeypatch, capsys):
+    monkeypatch.setitem(bench.SHAPES, "tiny", TINY)
+    assert (
+        cli.main(["bench", "--shape", "tiny", "--prefill-tokens", "8", "--decode-steps", "2", "--no-peer"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert re.search(r"decode\s+[\d.]+ tok/s", out) and "no ratios" in out
+
+
+def test_bench_shapes_build_valid_specs():
+    from moerun.models import family
+
+    expected = {
+        "olmoe": (2048, 1024, 64, 8),
+        "qwen3-30b-a3b": (2048, 768, 128, 8),
+        "mixtral-8x7b": (4096, 14336, 8, 2),
+        "gpt-oss-20b": (2880, 2880, 32, 4),
+    }
+    for name, shape in bench.SHAPES.items():
+        spec = family(shape.model_type).moe_spec(shape.config)
+        assert (spec.hidden, spec.intermediate, spec.num_experts, spec.top_k) == expected[name]
+
+
+def test_readme_commands_are_what_ci_runs():
+    root = Path(__file__).parent.parent
+    first_lines = (root / "README.md").read_text().splitlines()[:12]
+    commands = [line.strip() for line in first_lines if line.strip().startswith("bash scripts/")]
+    assert commands[:2] == ["bash scripts/bench.sh", "bash scripts/test.sh"]
+    assert "exec bash scripts/test.sh" in (root / ".ci" / "run").read_text()
+
+
+def test_random_layer_is_reproducible():
+    a = bench.random_layer(TINY, torch.float32, "cpu", seed=3)
+    b = bench.random_layer(TINY, torch.float32, "cpu", seed=3)
+    assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)

@@ -15,7 +15,7 @@ from moerun.activations import GLU, Activation
 from moerun.backends import Backend, get_backend
 from moerun.backends.workspace import Workspace
 from moerun.plan import build_plan, build_token_plan
-from moerun.routing import RouteSpec, check_logits, route, router_logits
+from moerun.routing import RouterError, RouteSpec, check_logits, route, router_logits
 from moerun.trace import layer_trace
 
 
@@ -116,12 +116,13 @@ class MoELayer:
         trace = layer_trace(self.name)
         with trace.stage("route", x.device):
             logits = router_logits(x, t["router.weight"], t.get("router.bias"))  # [T, E] fp32
-            if trace.buffers:
+            try:
+                check_logits(logits, self.name)
+            except RouterError:
                 trace.router_figures(logits, None, None, spec.num_experts)
-            check_logits(logits, self.name)
+                raise
             weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
-            if trace.buffers:
-                trace.router_figures(logits, ids, weights, spec.num_experts)
+            trace.router_figures(logits, ids, weights, spec.num_experts)
         if x.shape[0] == 1:
             with trace.stage("plan", x.device):
                 plan = build_token_plan(ids, weights, self.name)

@@ -40,13 +40,13 @@ def transformers_config(model_type: str, config: Mapping, experts_implementation
     return hf_config
 
 
-def transformers_block(model_type: str, hf_config, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """An empty (uninitialised) transformers MoE block in eval mode."""
+def transformers_block(model_type: str, hf_config, device: str = "cpu") -> torch.nn.Module:
+    """An uninitialised transformers MoE block in eval mode, in fp32 on `device` ("meta": no storage)."""
     _, module_name, class_name = TRANSFORMERS_BLOCKS[model_type]
     module = importlib.import_module(f"transformers.models.{module_name}")
     with torch.device("meta"):
         block = getattr(module, class_name)(hf_config)
-    return block.to_empty(device="cpu").to(dtype).eval()
+    return (block if device == "meta" else block.to_empty(device=device)).eval()
 
 
 def peer_block(
@@ -55,8 +55,9 @@ def peer_block(
     block_tensors: Mapping[str, torch.Tensor],
     experts_implementation: str = "grouped_mm",
 ) -> torch.nn.Module:
-    """transformers' block whose parameters are the given tensors (shared, not copied)."""
-    block = transformers_block(model_type, transformers_config(model_type, config, experts_implementation))
+    """transformers' block whose parameters and buffers are the given tensors (shared, not copied)."""
+    hf_config = transformers_config(model_type, config, experts_implementation)
+    block = transformers_block(model_type, hf_config, device="meta")
     for name, tensor in block_tensors.items():
         module_name, _, leaf = name.rpartition(".")
         module = block.get_submodule(module_name)
@@ -64,7 +65,10 @@ def peer_block(
             module._buffers[leaf] = tensor
         else:
             setattr(module, leaf, torch.nn.Parameter(tensor, requires_grad=False))
-    return block.to(next(iter(block_tensors.values())).device)
+    unset = [n for n, t in list(block.named_parameters()) + list(block.named_buffers()) if t.is_meta]
+    if unset:
+        raise ValueError(f"The {model_type} peer block got no tensor for {unset}.")
+    return block
 
 
 def run_peer(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,10 @@ import torch
 from moerun.activations import GLU, Activation
 from moerun.backends import Backend, get_backend
 from moerun.backends.workspace import Workspace
+from moerun.experts import ExpertWeights
 from moerun.plan import build_plan, build_token_plan
+from moerun.quant.cache import DequantCache
+from moerun.quant.formats import QTensor
 from moerun.routing import RouterError, RouteSpec, check_logits, route, router_logits
 from moerun.trace import layer_trace
 
@@ -67,43 +70,72 @@ class StateDictError(ValueError):
 
 
 _ROUTER_TENSORS = ("router.weight", "router.bias", "router.score_bias", "shared.gate")
+_EXPERT_PROJECTIONS = ("experts.gate_up", "experts.down")
 
 
 class MoELayer:
-    """One MoE block. Call it with x [T, H] or [B, T, H]; returns the same shape and dtype."""
+    """One MoE block. Call it with x [T, H] or [B, T, H]; returns the same shape and dtype.
+
+    `tensors` holds the canonical names (see MoESpec.tensor_shapes): router tensors in fp32, the
+    expert projections dense or as QTensor, everything else dense in the compute dtype."""
 
     def __init__(
         self,
         spec: MoESpec,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | QTensor],
         name: str = "moe",
         backend: str | Backend = "torch",
+        dtype: torch.dtype | None = None,
+        dequant_cache: DequantCache | None = None,
     ):
         self.spec = spec
         self.name = name
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.tensors = dict(tensors)
+        dense_experts = [
+            t for k, t in tensors.items() if k in _EXPERT_PROJECTIONS and not isinstance(t, QTensor)
+        ]
+        self.dtype = dtype or (dense_experts[0].dtype if dense_experts else torch.float32)
+        self.experts = ExpertWeights(
+            tensors["experts.gate_up"],
+            tensors["experts.down"],
+            tensors.get("experts.gate_up_bias"),
+            tensors.get("experts.down_bias"),
+            dtype=self.dtype,
+            layer_name=name,
+            cache=dequant_cache,
+        )
         self.workspace = Workspace()
 
     @classmethod
     def from_tensors(
         cls,
         spec: MoESpec,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | QTensor],
         name: str = "moe",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         backend: str = "torch",
+        dequant_cache: DequantCache | None = None,
     ) -> MoELayer:
         """Check every tensor against the spec (all problems in one error), then build the layer.
 
-        Router tensors are kept in fp32; the rest take `dtype` (default: as given)."""
+        Router tensors are kept in fp32; quantised expert projections stay quantised; the rest take
+        `dtype` (default: the dense expert weights' dtype, or fp32 when all of them are quantised)."""
         check_tensors(spec, tensors, name)
+        dtype = dtype or _compute_dtype(tensors)
         placed = {}
         for key, tensor in tensors.items():
-            target = torch.float32 if key in _ROUTER_TENSORS else (dtype or tensor.dtype)
+            if isinstance(tensor, QTensor) and key in _EXPERT_PROJECTIONS:
+                placed[key] = QTensor(tensor.format, tensor.shape, tensor.data.to(device).contiguous())
+                continue
+            if isinstance(tensor, QTensor):  # small non-expert tensors are used dense
+                from moerun.quant.dequant import dequantize
+
+                tensor = dequantize(tensor)
+            target = torch.float32 if key in _ROUTER_TENSORS else dtype
             placed[key] = tensor.detach().to(device=device, dtype=target).contiguous()
-        return cls(spec, placed, name=name, backend=backend)
+        return cls(spec, placed, name=name, backend=backend, dtype=dtype, dequant_cache=dequant_cache)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -127,14 +159,16 @@ class MoELayer:
             with trace.stage("plan", x.device):
                 plan = build_token_plan(ids, weights, self.name)
             with trace.stage("experts", x.device):
-                rows = backend.token_rows(x[0], plan, t, spec.activation)  # [k, H] fp32
+                rows = backend.token_rows(x[0], plan, self.experts, spec.activation)  # [k, H] fp32
             with trace.stage("combine", x.device):
                 out = backend.combine_token(rows)[None]  # [1, H] fp32
         else:
             with trace.stage("plan", x.device):
                 plan = build_plan(ids, weights, spec.num_experts)
             with trace.stage("experts", x.device):
-                rows = backend.expert_rows(x, plan, t, spec.activation, self.workspace)  # [T*k, H] fp32
+                rows = backend.expert_rows(
+                    x, plan, self.experts, spec.activation, self.workspace
+                )  # [T*k, H] fp32
             with trace.stage("combine", x.device):
                 out = backend.combine(rows, plan, self.workspace)  # [T, H] fp32
         if spec.shared_intermediate:
@@ -142,6 +176,14 @@ class MoELayer:
                 out = out + backend.shared_expert(x, t, spec.activation)
         trace.finish(x.shape[0])
         return out.to(x.dtype)
+
+
+def _compute_dtype(tensors: Mapping[str, torch.Tensor | QTensor]) -> torch.dtype:
+    """The dense expert weights' dtype; fp32 when every expert projection is quantised."""
+    for key in _EXPERT_PROJECTIONS:
+        if key in tensors and not isinstance(tensors[key], QTensor):
+            return tensors[key].dtype
+    return torch.float32
 
 
 def check_tensors(
@@ -162,7 +204,11 @@ def check_tensors(
         for key, shape in expected.items()
         if key in tensors and tuple(tensors[key].shape) != shape
     ]
-    not_float = [label(key) for key in expected if key in tensors and not tensors[key].is_floating_point()]
+    not_float = [
+        label(key)
+        for key in expected
+        if key in tensors and not isinstance(tensors[key], QTensor) and not tensors[key].is_floating_point()
+    ]
     problems = []
     if missing:
         problems.append("missing " + ", ".join(missing))

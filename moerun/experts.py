@@ -1,0 +1,78 @@
+"""A layer's routed experts: gate_up [E, 2I, H] and down [E, H, I], each dense or quantised.
+
+Backends ask for one expert's dense projections (`dense`, for prefill: dequantised once and kept in
+the optional DequantCache) or for a matrix-vector product (`matvec`, for decode: quantised weights
+are dequantised tile by tile, so a whole expert is never materialised).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moerun.quant.cache import DequantCache
+from moerun.quant.formats import QTensor
+
+Weight = torch.Tensor | QTensor
+
+# Rows of a quantised projection dequantised at once in `matvec`: ~256 KiB of fp32 for H=2048,
+# small enough to stay in a core's L2 between dequantising and multiplying.
+_TILE_BYTES = 256 * 1024
+
+
+class ExpertWeights:
+    def __init__(
+        self,
+        gate_up: Weight,
+        down: Weight,
+        gate_up_bias: torch.Tensor | None,
+        down_bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        layer_name: str,
+        cache: DequantCache | None = None,
+    ):
+        self.gate_up, self.down = gate_up, down
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
+        self.dtype = dtype  # compute dtype of the projections
+        self.layer_name = layer_name
+        self.cache = cache
+        self.quantised = isinstance(gate_up, QTensor) or isinstance(down, QTensor)
+
+    def dense(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]) as dense tensors in the compute dtype."""
+        if not self.quantised:
+            return self.gate_up[e], self.down[e]
+        if self.cache is None:
+            return self._dequantised(e)
+        return self.cache.get((self.layer_name, e, self.dtype), lambda: self._dequantised(e))
+
+    def _dequantised(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _expert_dense(self.gate_up, e, self.dtype), _expert_dense(self.down, e, self.dtype)
+
+    def matvec(self, projection: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """W_e · x for projection "gate_up" or "down" of expert e; x [in] -> [out] in the compute dtype."""
+        weight = self.gate_up if projection == "gate_up" else self.down
+        x = x.to(self.dtype)
+        if not isinstance(weight, QTensor):
+            return torch.mv(weight[e], x)
+        from moerun.quant.dequant import dequantize_bytes
+
+        data = weight.data[e]  # [out, row_bytes]
+        out_features, in_features = weight.shape[-2:]
+        tile = max(1, _TILE_BYTES // (4 * in_features))
+        out = torch.empty(out_features, dtype=self.dtype, device=x.device)
+        for start in range(0, out_features, tile):
+            rows = dequantize_bytes(weight.format, data[start : start + tile], self.dtype)
+            torch.mv(rows, x, out=out[start : start + tile])
+        return out
+
+    def bias(self, projection: str, e: int) -> torch.Tensor | None:
+        bias = self.gate_up_bias if projection == "gate_up" else self.down_bias
+        return None if bias is None else bias[e]
+
+
+def _expert_dense(weight: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(weight, QTensor):
+        from moerun.quant.dequant import dequantize
+
+        return dequantize(weight.expert(e), dtype)
+    return weight[e].to(dtype)

@@ -19,6 +19,8 @@ from moerun.layer import MoELayer
 from moerun.models import family
 from moerun.models.moe_block import export
 from moerun.peers import peer_block, run_peer, transformers_available
+from moerun.quant.formats import QTensor
+from moerun.quant.quantize import quantize
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,25 @@ def random_layer(shape: BenchShape, dtype: torch.dtype, device: str, seed: int =
     return MoELayer(spec, tensors, name=f"bench.{shape.model_type}")
 
 
+def quantised_layer(dense: MoELayer, formats: dict[str, str], log: Callable[[str], None]) -> MoELayer:
+    """`dense` with its expert projections quantised per `formats`.
+
+    Quantising every expert of a real shape takes minutes with the reference k-quant search, so two
+    experts are quantised and their bytes repeated (in separate memory) for the rest: speed depends
+    on the bytes read, not on their values."""
+    tensors = dict(dense.tensors)
+    for projection, fmt in formats.items():
+        key = f"experts.{projection}"
+        weight = tensors[key]
+        distinct = min(2, weight.shape[0])
+        log(f"quantising {key} to {fmt}")
+        sample = quantize(weight[:distinct].float(), fmt)
+        repeats = -(-weight.shape[0] // distinct)
+        data = sample.data.repeat(repeats, 1, 1)[: weight.shape[0]].contiguous()
+        tensors[key] = QTensor(sample.format, tuple(weight.shape), data)
+    return MoELayer(dense.spec, tensors, name=dense.name, dtype=dense.dtype)
+
+
 def copy_bandwidth(device: str, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Best observed bytes/s of a large device copy, counting bytes read plus bytes written."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
@@ -136,9 +157,13 @@ def run_bench(
     peer: bool = True,
     peer_impl: str = "grouped_mm",
     shape: BenchShape | None = None,
+    formats: dict[str, str] | None = None,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict:
-    """Run the benchmark and return its figures (see the module docstring)."""
+    """Run the benchmark and return its figures (see the module docstring).
+
+    `formats` ({"gate_up": fmt, "down": fmt}) quantises the expert projections; the peer is then the
+    same layer dense in `dtype`, and the decode figure counts the quantised bytes read."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = shape or SHAPES[shape_name]
     torch_dtype = DTYPES[dtype]
@@ -161,7 +186,14 @@ def run_bench(
         "peer": None,
     }
     contenders = {"moerun": layer}
-    if peer and transformers_available():
+    if formats:
+        dense = layer
+        layer = quantised_layer(dense, formats, log)
+        contenders = {"moerun": layer, "peer": dense}
+        results["formats"] = formats
+        results["expert_bytes"] = layer.experts.bytes_per_expert()
+        results["peer"] = f"moerun dense {dtype} (same weights before quantisation)"
+    elif peer and transformers_available():
         # transformers keeps its router in the model dtype: only those small tensors are copied
         peer_tensors = {k: v.to(torch_dtype) for k, v in export(shape.model_type, layer.tensors).items()}
         block = peer_block(shape.model_type, shape.config, peer_tensors, experts_implementation=peer_impl)
@@ -175,7 +207,7 @@ def run_bench(
     prefill_s, decode_s = times["moerun"]
     results["prefill_tok_s"] = prefill_tokens / prefill_s
     results["decode_tok_s"] = 1.0 / decode_s
-    results["decode_weight_bytes_per_s"] = spec.top_k * spec.expert_bytes(torch_dtype) / decode_s
+    results["decode_weight_bytes_per_s"] = spec.top_k * results["expert_bytes"] / decode_s
     results["decode_roofline_fraction"] = results["decode_weight_bytes_per_s"] / results["copy_bytes_per_s"]
     results["peer_prefill_tok_s"] = results["peer_decode_tok_s"] = None
     if "peer" in times:
@@ -193,7 +225,8 @@ def run_bench(
 def format_table(r: dict) -> str:
     gb = 1e9
     lines = [
-        f"moerun bench  shape={r['shape']}  dtype={r['dtype']}  device={r['device']}  threads={r['threads']}",
+        f"moerun bench  shape={r['shape']}  dtype={r['dtype']}  device={r['device']}  threads={r['threads']}"
+        + (f"  formats={r['formats']}" if r.get("formats") else ""),
         f"  experts={r['num_experts']} top_k={r['top_k']}  bytes/expert={r['expert_bytes'] / 2**20:.1f} MiB",
         f"  copy bandwidth (read+write)       {r['copy_bytes_per_s'] / gb:8.1f} GB/s",
         f"  prefill T={r['prefill_tokens']:<5}                {r['prefill_tok_s']:8.1f} tok/s",

@@ -21,11 +21,31 @@ def _bench(args: argparse.Namespace) -> int:
         prefill_tokens=args.prefill_tokens,
         decode_steps=args.decode_steps,
         peer=not args.no_peer,
+        formats=_formats(args),
         peer_impl=args.peer_impl,
         log=log,
     )
     print(json.dumps(results) if args.json else format_table(results))
     return 0
+
+
+def _formats(args: argparse.Namespace) -> dict[str, str] | None:
+    """--format FMT or --formats gate_up=FMT,down=FMT -> {"gate_up": ..., "down": ...}."""
+    if args.format and args.formats:
+        raise SystemExit("moerun bench: give --format or --formats, not both.")
+    if args.format:
+        return {"gate_up": args.format, "down": args.format}
+    if not args.formats:
+        return None
+    formats = {}
+    for part in args.formats.split(","):
+        projection, _, fmt = part.partition("=")
+        if projection not in ("gate_up", "down") or not fmt:
+            raise SystemExit(
+                f"moerun bench: --formats takes gate_up=FMT,down=FMT; {part!r} is not one of those."
+            )
+        formats[projection] = fmt
+    return formats
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="grouped_mm",
         help="transformers' experts implementation to compare with (its default: grouped_mm)",
     )
+    bench.add_argument("--format", help="quantise every expert projection to FMT (e.g. q4_k, q8_0, mxfp4)")
+    bench.add_argument("--formats", help="per projection, e.g. gate_up=q2_k,down=q3_k")
     bench.add_argument("--no-peer", action="store_true", help="skip transformers' block")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_bench)

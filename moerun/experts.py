@@ -65,6 +65,16 @@ class ExpertWeights:
             torch.mv(rows, x, out=out[start : start + tile])
         return out
 
+    def bytes_per_expert(self) -> int:
+        """Bytes one expert's projections and biases occupy as stored (quantised or dense)."""
+        total = 0
+        for tensor in (self.gate_up, self.down, self.gate_up_bias, self.down_bias):
+            if isinstance(tensor, QTensor):
+                total += tensor.data[0].numel()
+            elif tensor is not None:
+                total += tensor[0].numel() * tensor.element_size()
+        return total
+
     def bias(self, projection: str, e: int) -> torch.Tensor | None:
         bias = self.gate_up_bias if projection == "gate_up" else self.down_bias
         return None if bias is None else bias[e]

@@ -41,9 +41,7 @@ def _formats(args: argparse.Namespace) -> dict[str, str] | None:
     for part in args.formats.split(","):
         projection, _, fmt = part.partition("=")
         if projection not in ("gate_up", "down") or not fmt:
-            raise SystemExit(
-                f"moerun bench: --formats takes gate_up=FMT,down=FMT; {part!r} is not one of those."
-            )
+            raise SystemExit(f"moerun bench: --formats takes gate_up=FMT,down=FMT, not {part!r}.")
         formats[projection] = fmt
     return formats
 

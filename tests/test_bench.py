@@ -116,3 +116,47 @@ def test_random_layer_is_reproducible():
     a = bench.random_layer(TINY, torch.float32, "cpu", seed=3)
     b = bench.random_layer(TINY, torch.float32, "cpu", seed=3)
     assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+
+
+def test_cli_quantised_bench_compares_with_the_dense_layer(monkeypatch, capsys):
+    monkeypatch.setitem(
+        bench.SHAPES,
+        "tiny-k",
+        BenchShape(
+            "qwen3_moe",
+            dict(
+                hidden_size=256,
+                moe_intermediate_size=256,
+                num_experts=4,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+            ),
+        ),
+    )
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--shape",
+                "tiny-k",
+                "--formats",
+                "gate_up=q2_k,down=q3_k",
+                "--prefill-tokens",
+                "8",
+                "--decode-steps",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    record = json.loads(capsys.readouterr().out)
+    assert record["formats"] == {"gate_up": "q2_k", "down": "q3_k"}
+    # one expert: gate_up [512, 256] in q2_k (84 bytes per 256) and down [256, 256] in q3_k (110 per 256)
+    assert record["expert_bytes"] == 512 * 84 + 256 * 110
+    assert record["peer"].startswith("moerun dense") and record["peer_decode_tok_s"] > 0
+
+
+def test_cli_refuses_a_malformed_formats_flag(monkeypatch):
+    with pytest.raises(SystemExit, match="gate_up=FMT,down=FMT, not 'up=q4_k'"):
+        cli.main(["bench", "--formats", "up=q4_k"])

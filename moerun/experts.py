@@ -54,9 +54,12 @@ class ExpertWeights:
         x = x.to(self.dtype)
         if not isinstance(weight, QTensor):
             return torch.mv(weight[e], x)
+        from moerun.quant.cpu_matvec import fused_matvec, has_fused_matvec
         from moerun.quant.dequant import dequantize_bytes
 
         data = weight.data[e]  # [out, row_bytes]
+        if x.device.type == "cpu" and has_fused_matvec(weight.format):
+            return fused_matvec(weight.format, data, x).to(self.dtype)
         out_features, in_features = weight.shape[-2:]
         tile = max(1, _TILE_BYTES // (4 * in_features))
         out = torch.empty(out_features, dtype=self.dtype, device=x.device)

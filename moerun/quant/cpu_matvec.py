@@ -1,0 +1,63 @@
+"""Fused dequantise-and-multiply matrix-vector products for CPU decode, compiled by torch.compile.
+
+Eager torch dequantises through a dozen full-size temporaries and reads q8_0 at ~2 GB/s on 2 cores;
+the same arithmetic compiled into one loop reads ~8 GB/s (docs/PERFORMANCE.md). Each format here is
+written so inductor can fuse it: blocks viewed as [out, blocks, bytes], scales and quants decoded
+elementwise, the products reduced per block, then across blocks. The first call for a (format,
+shape) compiles (seconds), says so on stderr, and is cached for the process (and by inductor on disk).
+Formats not listed fall back to the tiled eager path in moerun.experts.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+from moerun.quant.formats import QFormat
+
+
+def _q8_0(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """data uint8 [out, in/32*34], x fp32 [in] -> fp32 [out]."""
+    out, nb = data.shape[0], x.shape[0] // 32
+    blocks = data.view(out, nb, 34)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
+    q = blocks[..., 2:].view(torch.int8).float()  # [out, nb, 32]
+    return (d * (q * x.view(nb, 32)).sum(-1)).sum(-1)
+
+
+def _q4_0(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """data uint8 [out, in/32*18], x fp32 [in] -> fp32 [out]; nibble j is element j, j+16 its high half."""
+    out, nb = data.shape[0], x.shape[0] // 32
+    blocks = data.view(out, nb, 18)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
+    packed = blocks[..., 2:]  # [out, nb, 16]
+    xs = x.view(nb, 2, 16)
+    low = ((packed & 15).float() - 8) * xs[:, 0]
+    high = ((packed >> 4).float() - 8) * xs[:, 1]
+    return (d * (low + high).sum(-1)).sum(-1)
+
+
+_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"q8_0": _q8_0, "q4_0": _q4_0}
+_compiled: dict[tuple[str, tuple[int, int]], Callable] = {}
+
+
+def has_fused_matvec(fmt: QFormat) -> bool:
+    return fmt.name in _KERNELS
+
+
+def fused_matvec(fmt: QFormat, data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One expert's quantised rows data uint8 [out, row_bytes] times x [in] -> fp32 [out]."""
+    key = (fmt.name, (data.shape[0], x.shape[0]))
+    kernel = _compiled.get(key)
+    if kernel is None:
+        print(
+            f"moerun: compiling the {fmt.name} decode kernel for [{data.shape[0]}, {x.shape[0]}] "
+            "(once per shape, a few seconds)",
+            file=sys.stderr,
+            flush=True,
+        )
+        kernel = torch.compile(_KERNELS[fmt.name], dynamic=False)
+        _compiled[key] = kernel
+    return kernel(data, x.float())

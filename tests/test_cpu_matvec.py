@@ -1,0 +1,20 @@
+"""The compiled CPU decode kernels against torch.mv on the gguf-exact dequantised weights."""
+
+import pytest
+import torch
+from conftest import rel_err
+
+from moerun.quant.cpu_matvec import fused_matvec
+from moerun.quant.dequant import dequantize_bytes
+from moerun.quant.formats import FORMATS
+from moerun.quant.quantize import quantize
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_fused_matvec_equals_dequantised_mv(fmt, capsys):
+    gen = torch.Generator().manual_seed(0)
+    weights = quantize(torch.randn(96, 160, generator=gen), fmt)  # 5 blocks per row
+    x = torch.randn(160, generator=gen)
+    expected = torch.mv(dequantize_bytes(FORMATS[fmt], weights.data), x)
+    assert rel_err(fused_matvec(FORMATS[fmt], weights.data, x), expected) <= 1e-6
+    assert f"compiling the {fmt} decode kernel for [96, 160]" in capsys.readouterr().err

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from moerun.quant.cache import DequantCache
+from moerun.quant.cpu_matvec import fused_matvec, has_fused_matvec
+from moerun.quant.dequant import dequantize, dequantize_bytes
 from moerun.quant.formats import QTensor
 
 Weight = torch.Tensor | QTensor
@@ -54,9 +56,6 @@ class ExpertWeights:
         x = x.to(self.dtype)
         if not isinstance(weight, QTensor):
             return torch.mv(weight[e], x)
-        from moerun.quant.cpu_matvec import fused_matvec, has_fused_matvec
-        from moerun.quant.dequant import dequantize_bytes
-
         data = weight.data[e]  # [out, row_bytes]
         if x.device.type == "cpu" and has_fused_matvec(weight.format):
             return fused_matvec(weight.format, data, x).to(self.dtype)
@@ -85,7 +84,5 @@ class ExpertWeights:
 
 def _expert_dense(weight: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(weight, QTensor):
-        from moerun.quant.dequant import dequantize
-
         return dequantize(weight.expert(e), dtype)
     return weight[e].to(dtype)

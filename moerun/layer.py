@@ -17,6 +17,7 @@ from moerun.backends.workspace import Workspace
 from moerun.experts import ExpertWeights
 from moerun.plan import build_plan, build_token_plan
 from moerun.quant.cache import DequantCache
+from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
 from moerun.routing import RouterError, RouteSpec, check_logits, route, router_logits
 from moerun.trace import layer_trace
@@ -130,8 +131,6 @@ class MoELayer:
                 placed[key] = QTensor(tensor.format, tensor.shape, tensor.data.to(device).contiguous())
                 continue
             if isinstance(tensor, QTensor):  # small non-expert tensors are used dense
-                from moerun.quant.dequant import dequantize
-
                 tensor = dequantize(tensor)
             target = torch.float32 if key in _ROUTER_TENSORS else dtype
             placed[key] = tensor.detach().to(device=device, dtype=target).contiguous()

@@ -10,7 +10,7 @@ from moerun.quant.formats import FORMATS
 from moerun.quant.quantize import quantize
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4"])
 def test_fused_matvec_equals_dequantised_mv(fmt, capsys):
     gen = torch.Generator().manual_seed(0)
     weights = quantize(torch.randn(96, 160, generator=gen), fmt)  # 5 blocks per row
@@ -18,3 +18,10 @@ def test_fused_matvec_equals_dequantised_mv(fmt, capsys):
     expected = torch.mv(dequantize_bytes(FORMATS[fmt], weights.data), x)
     assert rel_err(fused_matvec(FORMATS[fmt], weights.data, x), expected) <= 1e-6
     assert f"compiling the {fmt} decode kernel for [96, 160]" in capsys.readouterr().err
+
+
+def test_e2m1_decode_matches_the_table():
+    from moerun.quant.cpu_matvec import _e2m1_doubled
+    from moerun.quant.dequant import MXFP4_VALUES
+
+    assert _e2m1_doubled(torch.arange(16, dtype=torch.uint8)).tolist() == [float(v) for v in MXFP4_VALUES]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from moerun.quant.dequant import e8m0_half_scale
 from moerun.quant.formats import QFormat
 
 
@@ -39,7 +40,32 @@ def _q4_0(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (d * (low + high).sum(-1)).sum(-1)
 
 
-_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"q8_0": _q8_0, "q4_0": _q4_0}
+def _e2m1_doubled(code: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes 0..15 -> twice their value (0, 1, 2, 3, 4, 6, 8, 12, then negated), by arithmetic
+    rather than a table gather, which inductor compiles into a slow indexed load."""
+    c = code.to(torch.int32)
+    m = c & 7
+    magnitude = torch.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1)).float()
+    return torch.where((c & 8) != 0, -magnitude, magnitude)
+
+
+def _mxfp4(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """data uint8 [out, in/32*17] (GGUF block: E8M0 byte, then nibbles j | j+16), x fp32 [in] -> [out]."""
+    out, nb = data.shape[0], x.shape[0] // 32
+    blocks = data.view(out, nb, 17)
+    scale = e8m0_half_scale(blocks[..., 0])  # [out, nb]: ggml's half scale, the values are doubled
+    packed = blocks[..., 1:]  # [out, nb, 16]
+    xs = x.view(nb, 2, 16)
+    low = _e2m1_doubled(packed & 15) * xs[:, 0]
+    high = _e2m1_doubled(packed >> 4) * xs[:, 1]
+    return (scale * (low + high).sum(-1)).sum(-1)
+
+
+_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "q8_0": _q8_0,
+    "q4_0": _q4_0,
+    "mxfp4": _mxfp4,
+}
 _compiled: dict[tuple[str, tuple[int, int]], Callable] = {}
 
 

@@ -19,6 +19,7 @@ from moerun.layer import MoELayer
 from moerun.models import family
 from moerun.models.moe_block import export
 from moerun.peers import peer_block, run_peer, transformers_available
+from moerun.quant.cache import DequantCache
 from moerun.quant.formats import QTensor
 from moerun.quant.quantize import quantize
 
@@ -81,7 +82,9 @@ def random_layer(shape: BenchShape, dtype: torch.dtype, device: str, seed: int =
     return MoELayer(spec, tensors, name=f"bench.{shape.model_type}")
 
 
-def quantised_layer(dense: MoELayer, formats: dict[str, str], log: Callable[[str], None]) -> MoELayer:
+def quantised_layer(
+    dense: MoELayer, formats: dict[str, str], log: Callable[[str], None], cache: DequantCache | None = None
+) -> MoELayer:
     """`dense` with its expert projections quantised per `formats`.
 
     Quantising every expert of a real shape takes minutes with the reference k-quant search, so two
@@ -97,7 +100,7 @@ def quantised_layer(dense: MoELayer, formats: dict[str, str], log: Callable[[str
         repeats = -(-weight.shape[0] // distinct)
         data = sample.data.repeat(repeats, 1, 1)[: weight.shape[0]].contiguous()
         tensors[key] = QTensor(sample.format, tuple(weight.shape), data)
-    return MoELayer(dense.spec, tensors, name=dense.name, dtype=dense.dtype)
+    return MoELayer(dense.spec, tensors, name=dense.name, dtype=dense.dtype, dequant_cache=cache)
 
 
 def copy_bandwidth(device: str, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -158,6 +161,7 @@ def run_bench(
     peer_impl: str = "grouped_mm",
     shape: BenchShape | None = None,
     formats: dict[str, str] | None = None,
+    dequant_cache_gb: float = 0.0,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict:
     """Run the benchmark and return its figures (see the module docstring).
@@ -189,7 +193,8 @@ def run_bench(
     contenders = {"moerun": layer}
     if formats:
         dense = layer
-        layer = quantised_layer(dense, formats, log)
+        cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb > 0 else None
+        layer = quantised_layer(dense, formats, log, cache)
         contenders = {"moerun": layer, "peer": dense}
         results["formats"] = formats
         results["expert_bytes"] = layer.experts.bytes_per_expert()
@@ -210,6 +215,9 @@ def run_bench(
     results["decode_tok_s"] = 1.0 / decode_s
     results["decode_weight_bytes_per_s"] = spec.top_k * results["expert_bytes"] / decode_s
     results["decode_roofline_fraction"] = results["decode_weight_bytes_per_s"] / results["copy_bytes_per_s"]
+    if formats and layer.experts.cache is not None:
+        stats = layer.experts.cache.stats
+        results["dequant_cache"] = {"hits": stats.hits, "misses": stats.misses, "bytes": stats.bytes}
     results["peer_prefill_tok_s"] = results["peer_decode_tok_s"] = None
     if "peer" in times:
         peer_prefill_s, peer_decode_s = times["peer"]
@@ -236,6 +244,12 @@ def format_table(r: dict) -> str:
         f"  decode expert bytes read          {r['decode_weight_bytes_per_s'] / gb:8.1f} GB/s "
         f"({100 * r['decode_roofline_fraction']:.0f}% of copy bandwidth)",
     ]
+    if r.get("dequant_cache"):
+        c = r["dequant_cache"]
+        lines.append(
+            f"  dequantised-expert cache: {c['hits']} hits, {c['misses']} misses, "
+            f"{c['bytes'] / 2**20:.0f} MiB held"
+        )
     if not r["peer"]:
         lines.append(f"  peer: none ({r['peer_note']}) - no ratios")
         return "\n".join(lines)

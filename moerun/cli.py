@@ -22,6 +22,7 @@ def _bench(args: argparse.Namespace) -> int:
         decode_steps=args.decode_steps,
         peer=not args.no_peer,
         formats=_formats(args),
+        dequant_cache_gb=args.dequant_cache_gb,
         peer_impl=args.peer_impl,
         log=log,
     )
@@ -65,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--format", help="quantise every expert projection to FMT (e.g. q4_k, q8_0, mxfp4)")
     bench.add_argument("--formats", help="per projection, e.g. gate_up=q2_k,down=q3_k")
+    bench.add_argument(
+        "--dequant-cache-gb",
+        type=float,
+        default=0.0,
+        help="with --format: keep up to this many GB of dequantised experts for prefill (default: off)",
+    )
     bench.add_argument("--no-peer", action="store_true", help="skip transformers' block")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_bench)

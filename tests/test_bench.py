@@ -155,6 +155,35 @@ def test_cli_quantised_bench_compares_with_the_dense_layer(monkeypatch, capsys):
     # one expert: gate_up [512, 256] in q2_k (84 bytes per 256) and down [256, 256] in q3_k (110 per 256)
     assert record["expert_bytes"] == 512 * 84 + 256 * 110
     assert record["peer"].startswith("moerun dense") and record["peer_decode_tok_s"] > 0
+    assert "dequant_cache" not in record
+
+
+def test_cli_quantised_bench_reports_the_dequant_cache(monkeypatch, capsys):
+    monkeypatch.setitem(bench.SHAPES, "tiny-q", TINY)
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--shape",
+                "tiny-q",
+                "--format",
+                "q8_0",
+                "--prefill-tokens",
+                "8",
+                "--decode-steps",
+                "2",
+                "--dequant-cache-gb",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    cache = json.loads(capsys.readouterr().out)["dequant_cache"]
+    # every prefill call after the first finds its experts dequantised already
+    assert cache["misses"] > 0 and cache["hits"] > cache["misses"]
+    # each miss keeps one expert's three [64, 32] projections dequantised to bf16 (2 bytes each)
+    assert cache["bytes"] == cache["misses"] * 2 * 3 * 64 * 32
 
 
 def test_cli_refuses_a_malformed_formats_flag(monkeypatch):

@@ -10,14 +10,15 @@ from moerun.quant.formats import FORMATS
 from moerun.quant.quantize import quantize
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k"])
 def test_fused_matvec_equals_dequantised_mv(fmt, capsys):
     gen = torch.Generator().manual_seed(0)
-    weights = quantize(torch.randn(96, 160, generator=gen), fmt)  # 5 blocks per row
-    x = torch.randn(160, generator=gen)
+    width = 512 if fmt.endswith("_k") else 160  # 2 super-blocks or 5 blocks per row
+    weights = quantize(torch.randn(96, width, generator=gen), fmt)
+    x = torch.randn(width, generator=gen)
     expected = torch.mv(dequantize_bytes(FORMATS[fmt], weights.data), x)
     assert rel_err(fused_matvec(FORMATS[fmt], weights.data, x), expected) <= 1e-6
-    assert f"compiling the {fmt} decode kernel for [96, 160]" in capsys.readouterr().err
+    assert f"compiling the {fmt} decode kernel for [96, {width}]" in capsys.readouterr().err
 
 
 def test_e2m1_decode_matches_the_table():

@@ -10,7 +10,7 @@ from moerun.quant.formats import FORMATS
 from moerun.quant.quantize import quantize
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
 def test_fused_matvec_equals_dequantised_mv(fmt, capsys):
     gen = torch.Generator().manual_seed(0)
     width = 512 if fmt.endswith("_k") else 160  # 2 super-blocks or 5 blocks per row

@@ -6,9 +6,9 @@ written so inductor can fuse it: blocks viewed as [out, blocks, bytes], scales a
 elementwise, the products reduced per block, then across blocks. The first call for a (format,
 shape) compiles (seconds), says so on stderr, and is cached for the process (and by inductor on disk).
 Formats not listed fall back to the tiled eager path in moerun.experts. Measured alone on a 2048x2048
-matrix (GB/s of quantised bytes, 2 cores): q8_0 5.8, q4_0 2.7, mxfp4 1.8, q5_k 0.50, q4_k 0.41,
-q2_k 0.33, q3_k 0.09 — the k-quants reuse moerun.quant.dequant's unpack functions, which inductor
-does not fuse well; hand-fused k-quant kernels are the next step.
+matrix (GB/s of quantised bytes, 2 cores): q8_0 5.8, q4_0 2.7, q6_k 2.6, q4_k 2.5, mxfp4 1.8 (hand-fused);
+q5_k 0.50, q2_k 0.33, q3_k 0.09 (through moerun.quant.dequant's unpack functions, which inductor does
+not fuse well: hand-fused versions are the next step).
 """
 
 from __future__ import annotations
@@ -90,6 +90,31 @@ def _q4_k(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (d * (scales * qx).sum(-1) - dmin * (mins * xsum).sum(-1)).sum(-1)
 
 
+# The four 32-element quarters of each 128-element half of a q6_k block: which 32 `ql` bytes hold
+# their low 4 bits (first or second), whether in the high nibble, and the shift of their 2 `qh` bits.
+_Q6_K_QUARTERS = ((0, False, 0), (1, False, 2), (0, True, 4), (1, True, 6))
+
+
+def _q6_k(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """data uint8 [out, in/256*210], x fp32 [in] -> [out]. Block: ql[128], qh[64], 16 int8 scales
+    (one per 16 elements), d (fp16); q = (4 low bits | 2 high bits << 4) - 32 (ggml's block_q6_K)."""
+    out, nb = data.shape[0], x.shape[0] // 256
+    blocks = data.view(out, nb, 210)
+    ql = blocks[..., 0:128].view(out, nb, 2, 2, 32)  # [half, first/second 32 bytes, l]
+    qh = blocks[..., 128:192].view(out, nb, 2, 32)  # [half, l]
+    scales = blocks[..., 192:208].view(torch.int8).float().view(out, nb, 2, 4, 2)  # [half, quarter, 16s]
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
+    xs = x.view(nb, 2, 4, 2, 16)  # [half, quarter, 16s, 16]
+    total = torch.zeros(out, nb, dtype=torch.float32, device=data.device)
+    for quarter, (source, high_nibble, shift) in enumerate(_Q6_K_QUARTERS):
+        low_bytes = ql[:, :, :, source]
+        low_bits = (low_bytes >> 4) if high_nibble else (low_bytes & 15)
+        q = (low_bits | (((qh >> shift) & 3) << 4)).float() - 32  # [out, nb, 2, 32]
+        dots = (q.view(out, nb, 2, 2, 16) * xs[:, :, quarter]).sum(-1)  # [out, nb, 2, 2]
+        total = total + (scales[:, :, :, quarter] * dots).sum(-1).sum(-1)
+    return (d * total).sum(-1)
+
+
 def _k_quant_with_mins(unpack: Callable, block_bytes: int, sub: int) -> Callable:
     """q2_k (sub-blocks of 16), q4_k and q5_k (32): value = d·sc·q − dmin·m per sub-block, so
     W·x = Σ d·sc·(q·x) − dmin·m·Σx over the sub-blocks."""
@@ -125,7 +150,7 @@ _KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "q4_k": _q4_k,
     "q5_k": _k_quant_with_mins(unpack_q5_k, 176, 32),
     "q3_k": _k_quant_signed(unpack_q3_k, 110),
-    # q6_k compiled this way measured 0.04 GB/s against 0.13-0.18 for the eager tiles: it stays eager
+    "q6_k": _q6_k,
 }
 _compiled: dict[tuple[str, tuple[int, int]], Callable] = {}
 

@@ -6,9 +6,9 @@ written so inductor can fuse it: blocks viewed as [out, blocks, bytes], scales a
 elementwise, the products reduced per block, then across blocks. The first call for a (format,
 shape) compiles (seconds), says so on stderr, and is cached for the process (and by inductor on disk).
 Formats not listed fall back to the tiled eager path in moerun.experts. Measured alone on a 2048x2048
-matrix (GB/s of quantised bytes, 2 cores): q8_0 5.8, q4_0 2.7, q6_k 2.6, q4_k 2.5, mxfp4 1.8 (hand-fused);
-q5_k 0.50, q2_k 0.33, q3_k 0.09 (through moerun.quant.dequant's unpack functions, which inductor does
-not fuse well: hand-fused versions are the next step).
+matrix (GB/s of quantised bytes, 2 cores): q8_0 5.8, q4_0 2.7, q6_k 2.6, q4_k 2.0-2.5, mxfp4 1.8,
+q5_k 1.7 (hand-fused); q2_k 0.33, q3_k 0.09 (through moerun.quant.dequant's unpack functions,
+which inductor does not fuse well: hand-fused versions are the next step).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from moerun.quant.dequant import (
     e8m0_half_scale,
     unpack_q2_k,
     unpack_q3_k,
-    unpack_q5_k,
 )
 from moerun.quant.formats import QFormat
 
@@ -73,18 +72,34 @@ def _q4_k(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """data uint8 [out, in/256*144], x fp32 [in] -> [out]. Block: d, dmin (fp16), 12 bytes of 6-bit
     scales/mins for 8 sub-blocks of 32, then 128 bytes whose 32-byte chunk i holds sub-block 2i in
     its low nibbles and 2i+1 in its high nibbles (ggml's block_q4_K, get_scale_min_k4)."""
+    return _scaled_nibbles_with_mins(data, x, block_bytes=144, high_bits=False)
+
+
+def _q5_k(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """As q4_k, with 32 `qh` bytes before the nibbles: bit 2i of qh[l] is the fifth bit of element l
+    of sub-block 2i, bit 2i+1 that of sub-block 2i+1 (ggml's block_q5_K)."""
+    return _scaled_nibbles_with_mins(data, x, block_bytes=176, high_bits=True)
+
+
+def _scaled_nibbles_with_mins(data: torch.Tensor, x: torch.Tensor, block_bytes: int, high_bits: bool):
     out, nb = data.shape[0], x.shape[0] // 256
-    blocks = data.view(out, nb, 144)
+    blocks = data.view(out, nb, block_bytes)
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
     dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
     packed = blocks[..., 4:16].to(torch.int32)
     a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     scales = torch.cat([a & 63, (c & 15) | ((a >> 6) << 4)], dim=-1).float()  # [out, nb, 8]
     mins = torch.cat([b & 63, (c >> 4) | ((b >> 6) << 4)], dim=-1).float()
-    qs = blocks[..., 16:144].view(out, nb, 4, 32)
+    qs = blocks[..., block_bytes - 128 :].view(out, nb, 4, 32)
+    low_q, high_q = (qs & 15), (qs >> 4)  # sub-blocks 0, 2, 4, 6 and 1, 3, 5, 7
+    if high_bits:
+        qh = blocks[..., 16:48].view(out, nb, 1, 32)
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=data.device).view(4, 1)
+        low_q = low_q | (((qh >> shifts) & 1) << 4)
+        high_q = high_q | (((qh >> (shifts + 1)) & 1) << 4)
     xs = x.view(nb, 4, 2, 32)
-    low = ((qs & 15).float() * xs[:, :, 0]).sum(-1)  # [out, nb, 4]: sub-blocks 0, 2, 4, 6
-    high = ((qs >> 4).float() * xs[:, :, 1]).sum(-1)  # sub-blocks 1, 3, 5, 7
+    low = (low_q.float() * xs[:, :, 0]).sum(-1)  # [out, nb, 4]
+    high = (high_q.float() * xs[:, :, 1]).sum(-1)
     qx = torch.stack([low, high], dim=-1).view(out, nb, 8)
     xsum = x.view(nb, 8, 32).sum(-1)  # [nb, 8]
     return (d * (scales * qx).sum(-1) - dmin * (mins * xsum).sum(-1)).sum(-1)
@@ -148,7 +163,7 @@ _KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "mxfp4": _mxfp4,
     "q2_k": _k_quant_with_mins(unpack_q2_k, 84, 16),
     "q4_k": _q4_k,
-    "q5_k": _k_quant_with_mins(unpack_q5_k, 176, 32),
+    "q5_k": _q5_k,
     "q3_k": _k_quant_signed(unpack_q3_k, 110),
     "q6_k": _q6_k,
 }

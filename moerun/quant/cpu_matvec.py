@@ -26,11 +26,16 @@ from moerun.quant.dequant import (
 from moerun.quant.formats import QFormat
 
 
+def _fp16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 stored at bytes [start, start + 2) of each block [out, nb, bytes] -> fp32 [out, nb]."""
+    return blocks[..., start : start + 2].contiguous().view(torch.float16).float()[..., 0]
+
+
 def _q8_0(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """data uint8 [out, in/32*34], x fp32 [in] -> fp32 [out]."""
     out, nb = data.shape[0], x.shape[0] // 32
     blocks = data.view(out, nb, 34)
-    d = blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
+    d = _fp16_field(blocks, 0)  # [out, nb]
     q = blocks[..., 2:].view(torch.int8).float()  # [out, nb, 32]
     return (d * (q * x.view(nb, 32)).sum(-1)).sum(-1)
 
@@ -39,7 +44,7 @@ def _q4_0(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """data uint8 [out, in/32*18], x fp32 [in] -> fp32 [out]; nibble j is element j, j+16 its high half."""
     out, nb = data.shape[0], x.shape[0] // 32
     blocks = data.view(out, nb, 18)
-    d = blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
+    d = _fp16_field(blocks, 0)  # [out, nb]
     packed = blocks[..., 2:]  # [out, nb, 16]
     xs = x.view(nb, 2, 16)
     low = ((packed & 15).float() - 8) * xs[:, 0]
@@ -84,8 +89,8 @@ def _q5_k(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _scaled_nibbles_with_mins(data: torch.Tensor, x: torch.Tensor, block_bytes: int, high_bits: bool):
     out, nb = data.shape[0], x.shape[0] // 256
     blocks = data.view(out, nb, block_bytes)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+    d = _fp16_field(blocks, 0)  # [out, nb]
+    dmin = _fp16_field(blocks, 2)
     packed = blocks[..., 4:16].to(torch.int32)
     a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     scales = torch.cat([a & 63, (c & 15) | ((a >> 6) << 4)], dim=-1).float()  # [out, nb, 8]
@@ -118,7 +123,7 @@ def _q6_k(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     ql = blocks[..., 0:128].view(out, nb, 2, 2, 32)  # [half, first/second 32 bytes, l]
     qh = blocks[..., 128:192].view(out, nb, 2, 32)  # [half, l]
     scales = blocks[..., 192:208].view(torch.int8).float().view(out, nb, 2, 4, 2)  # [half, quarter, 16s]
-    d = blocks[..., 208:210].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
+    d = _fp16_field(blocks, 208)  # [out, nb]
     xs = x.view(nb, 2, 4, 2, 16)  # [half, quarter, 16s, 16]
     total = torch.zeros(out, nb, dtype=torch.float32, device=data.device)
     for quarter, (source, high_nibble, shift) in enumerate(_Q6_K_QUARTERS):
@@ -130,41 +135,33 @@ def _q6_k(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (d * total).sum(-1)
 
 
-def _k_quant_with_mins(unpack: Callable, block_bytes: int, sub: int) -> Callable:
-    """q2_k (sub-blocks of 16), q4_k and q5_k (32): value = d·sc·q − dmin·m per sub-block, so
+def _q2_k(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Through dequant's unpack (value = d·sc·q − dmin·m, sub-blocks of 16), so
     W·x = Σ d·sc·(q·x) − dmin·m·Σx over the sub-blocks."""
-
-    def kernel(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        out, nb = data.shape[0], x.shape[0] // 256
-        d, dmin, scales, mins, q = unpack(data.view(out, nb, block_bytes))  # q [out, nb, 256]
-        xs = x.view(nb, 256 // sub, sub)
-        qx = (q.view(out, nb, 256 // sub, sub).float() * xs).sum(-1)  # [out, nb, subs]
-        per_sub = d[..., None] * scales.float() * qx - dmin[..., None] * mins.float() * xs.sum(-1)
-        return per_sub.sum(-1).sum(-1)
-
-    return kernel
+    out, nb = data.shape[0], x.shape[0] // 256
+    d, dmin, scales, mins, q = unpack_q2_k(data.view(out, nb, 84))  # q [out, nb, 256]
+    xs = x.view(nb, 16, 16)
+    qx = (q.view(out, nb, 16, 16).float() * xs).sum(-1)  # [out, nb, 16]
+    per_sub = d[..., None] * scales.float() * qx - dmin[..., None] * mins.float() * xs.sum(-1)
+    return per_sub.sum(-1).sum(-1)
 
 
-def _k_quant_signed(unpack: Callable, block_bytes: int) -> Callable:
-    """q3_k (and q6_k's layout): value = d·sc·q with signed q, sub-blocks of 16."""
-
-    def kernel(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        out, nb = data.shape[0], x.shape[0] // 256
-        d, scales, q = unpack(data.view(out, nb, block_bytes))
-        qx = (q.view(out, nb, 16, 16).float() * x.view(nb, 16, 16)).sum(-1)  # [out, nb, 16]
-        return (d[..., None] * scales.float() * qx).sum(-1).sum(-1)
-
-    return kernel
+def _q3_k(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Through dequant's unpack: value = d·sc·q with signed q, sub-blocks of 16."""
+    out, nb = data.shape[0], x.shape[0] // 256
+    d, scales, q = unpack_q3_k(data.view(out, nb, 110))
+    qx = (q.view(out, nb, 16, 16).float() * x.view(nb, 16, 16)).sum(-1)  # [out, nb, 16]
+    return (d[..., None] * scales.float() * qx).sum(-1).sum(-1)
 
 
 _KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "q8_0": _q8_0,
     "q4_0": _q4_0,
     "mxfp4": _mxfp4,
-    "q2_k": _k_quant_with_mins(unpack_q2_k, 84, 16),
+    "q2_k": _q2_k,
     "q4_k": _q4_k,
     "q5_k": _q5_k,
-    "q3_k": _k_quant_signed(unpack_q3_k, 110),
+    "q3_k": _q3_k,
     "q6_k": _q6_k,
 }
 _compiled: dict[tuple[str, tuple[int, int]], Callable] = {}

@@ -1,9 +1,8 @@
 """DeepSeek-V2: softmax scores, greedy or group-limited greedy top-k, routed scaling; ungated
 shared experts of `moe_intermediate_size * n_shared_experts`."""
 
-from moerun.activations import GLU
 from moerun.layer import MoESpec
-from moerun.models.moe_block import first, fused_expert_names, shared_mlp_names
+from moerun.models.moe_block import first, fused_expert_names, hf_glu, shared_mlp_names
 from moerun.routing import DeepSeekV2Softmax
 
 MOE_NAMES = {**fused_expert_names(router="gate"), **shared_mlp_names("shared_experts")}
@@ -28,6 +27,6 @@ def moe_spec(config: dict) -> MoESpec:
             topk_group=config["topk_group"] if group_limited else 1,
             group_limited=group_limited,
         ),
-        activation=GLU.from_hf(config.get("hidden_act", "silu")),
+        activation=hf_glu(config),
         shared_intermediate=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
     )

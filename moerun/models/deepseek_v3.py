@@ -1,9 +1,8 @@
 """DeepSeek-V3: sigmoid scores with a score-correction bias for the choice, group-limited by each
 group's top-2 sum; unbiased weights, optional renormalisation, routed scaling; ungated shared experts."""
 
-from moerun.activations import GLU
 from moerun.layer import MoESpec
-from moerun.models.moe_block import first, fused_expert_names, shared_mlp_names
+from moerun.models.moe_block import first, fused_expert_names, hf_glu, shared_mlp_names
 from moerun.routing import DeepSeekV3Sigmoid
 
 MOE_NAMES = {
@@ -25,7 +24,7 @@ def moe_spec(config: dict) -> MoESpec:
             renormalize=bool(config.get("norm_topk_prob", True)),
             routed_scaling=config.get("routed_scaling_factor", 1.0),
         ),
-        activation=GLU.from_hf(config.get("hidden_act", "silu")),
+        activation=hf_glu(config),
         score_bias=True,
         shared_intermediate=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
     )

@@ -1,8 +1,7 @@
 """GraniteMoE: top-k of the router logits, softmax over the k; SiLU-GLU experts."""
 
-from moerun.activations import GLU
 from moerun.layer import MoESpec
-from moerun.models.moe_block import first, fused_expert_names
+from moerun.models.moe_block import first, fused_expert_names, hf_glu
 from moerun.routing import TopKSoftmax
 
 MOE_NAMES = fused_expert_names(router="router")
@@ -14,5 +13,5 @@ def moe_spec(config: dict) -> MoESpec:
         intermediate=config["intermediate_size"],
         num_experts=first(config, "num_local_experts", "num_experts"),
         routing=TopKSoftmax(k=config["num_experts_per_tok"]),
-        activation=GLU.from_hf(config.get("hidden_act", "silu")),
+        activation=hf_glu(config),
     )

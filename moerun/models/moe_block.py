@@ -7,8 +7,10 @@ from collections.abc import Mapping
 
 import torch
 
+from moerun.activations import GLU
 from moerun.layer import MoELayer, MoESpec, check_tensors
 from moerun.models import family
+from moerun.routing import SoftmaxTopK
 
 
 def first(config: Mapping, *keys: str):
@@ -17,6 +19,16 @@ def first(config: Mapping, *keys: str):
         if config.get(key) is not None:
             return config[key]
     raise KeyError(f"config has none of {list(keys)}")
+
+
+def hf_glu(config: Mapping) -> GLU:
+    """The GLU of a config's `hidden_act` (transformers' default: silu)."""
+    return GLU.from_hf(config.get("hidden_act", "silu"))
+
+
+def norm_topk_routing(config: Mapping) -> SoftmaxTopK:
+    """Qwen/OLMoE routing: softmax -> top-k, renormalised when `norm_topk_prob` (default off)."""
+    return SoftmaxTopK(k=config["num_experts_per_tok"], renormalize=bool(config.get("norm_topk_prob", False)))
 
 
 def fused_expert_names(router: str) -> dict[str, str]:

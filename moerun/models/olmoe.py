@@ -1,10 +1,8 @@
 """OLMoE: softmax -> top-k, renormalised when `norm_topk_prob`; SiLU-GLU experts of
 `intermediate_size`."""
 
-from moerun.activations import GLU
 from moerun.layer import MoESpec
-from moerun.models.moe_block import first, fused_expert_names
-from moerun.routing import SoftmaxTopK
+from moerun.models.moe_block import first, fused_expert_names, hf_glu, norm_topk_routing
 
 MOE_NAMES = fused_expert_names(router="gate")
 
@@ -14,8 +12,6 @@ def moe_spec(config: dict) -> MoESpec:
         hidden=config["hidden_size"],
         intermediate=config["intermediate_size"],
         num_experts=first(config, "num_experts", "num_local_experts"),
-        routing=SoftmaxTopK(
-            k=config["num_experts_per_tok"], renormalize=bool(config.get("norm_topk_prob", False))
-        ),
-        activation=GLU.from_hf(config.get("hidden_act", "silu")),
+        routing=norm_topk_routing(config),
+        activation=hf_glu(config),
     )

@@ -1,8 +1,7 @@
 """PhiMoE: sparsemixer top-2 routing (eval mode) with `router_jitter_noise` as its epsilon."""
 
-from moerun.activations import GLU
 from moerun.layer import MoESpec
-from moerun.models.moe_block import first, fused_expert_names
+from moerun.models.moe_block import first, fused_expert_names, hf_glu
 from moerun.routing import SparseMixer
 
 MOE_NAMES = fused_expert_names(router="router")
@@ -19,5 +18,5 @@ def moe_spec(config: dict) -> MoESpec:
         intermediate=config["intermediate_size"],
         num_experts=first(config, "num_local_experts", "num_experts"),
         routing=SparseMixer(jitter_eps=config.get("router_jitter_noise", 0.01)),
-        activation=GLU.from_hf(config.get("hidden_act", "silu")),
+        activation=hf_glu(config),
     )

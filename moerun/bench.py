@@ -184,7 +184,6 @@ def run_bench(
         "device": device,
         "threads": torch.get_num_threads(),
         "prefill_tokens": prefill_tokens,
-        "expert_bytes": spec.expert_bytes(torch_dtype),
         "top_k": spec.top_k,
         "num_experts": spec.num_experts,
         "peer": None,
@@ -197,7 +196,6 @@ def run_bench(
         layer = quantised_layer(dense, formats, log, cache)
         contenders = {"moerun": layer, "peer": dense}
         results["formats"] = formats
-        results["expert_bytes"] = layer.experts.bytes_per_expert()
         results["peer"] = f"moerun dense {dtype} (same weights before quantisation)"
     elif peer and transformers_available():
         # transformers keeps its router in the model dtype: only those small tensors are copied
@@ -213,6 +211,7 @@ def run_bench(
     prefill_s, decode_s = times["moerun"]
     results["prefill_tok_s"] = prefill_tokens / prefill_s
     results["decode_tok_s"] = 1.0 / decode_s
+    results["expert_bytes"] = layer.experts.bytes_per_expert()  # as stored: quantised or dense
     results["decode_weight_bytes_per_s"] = spec.top_k * results["expert_bytes"] / decode_s
     results["decode_roofline_fraction"] = results["decode_weight_bytes_per_s"] / results["copy_bytes_per_s"]
     if formats and layer.experts.cache is not None:

@@ -59,12 +59,6 @@ class MoESpec:
                 shapes["shared.gate"] = (1, H)
         return shapes
 
-    def expert_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one expert's projections (weights and biases) in `dtype`."""
-        H, I = self.hidden, self.intermediate
-        elements = 3 * H * I + (2 * I + H if self.expert_bias else 0)
-        return elements * torch.empty((), dtype=dtype).element_size()
-
 
 class StateDictError(ValueError):
     """Tensors that do not fit a layer's spec."""

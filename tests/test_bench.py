@@ -23,6 +23,13 @@ TINY_GPT_OSS = BenchShape(
 )
 
 
+def _bench_json(monkeypatch, capsys, shape: BenchShape, *args: str) -> dict:
+    """Register `shape` as "tiny", run `moerun bench --shape tiny ARGS --json`, return its record."""
+    monkeypatch.setitem(bench.SHAPES, "tiny", shape)
+    assert cli.main(["bench", "--shape", "tiny", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("shape", [TINY, TINY_GPT_OSS], ids=["qwen3_moe", "gpt_oss"])
 def test_bench_figures_and_peer_agreement(shape):
     r = run_bench(
@@ -49,25 +56,9 @@ def test_bench_figures_and_peer_agreement(shape):
 
 
 def test_cli_json_has_the_documented_keys(monkeypatch, capsys):
-    monkeypatch.setitem(bench.SHAPES, "tiny", TINY)
-    assert (
-        cli.main(
-            [
-                "bench",
-                "--shape",
-                "tiny",
-                "--dtype",
-                "bf16",
-                "--prefill-tokens",
-                "16",
-                "--decode-steps",
-                "3",
-                "--json",
-            ]
-        )
-        == 0
+    record = _bench_json(
+        monkeypatch, capsys, TINY, "--dtype", "bf16", "--prefill-tokens", "16", "--decode-steps", "3"
     )
-    record = json.loads(capsys.readouterr().out)
     for key in (
         "prefill_tok_s",
         "decode_tok_s",
@@ -119,38 +110,27 @@ def test_random_layer_is_reproducible():
 
 
 def test_cli_quantised_bench_compares_with_the_dense_layer(monkeypatch, capsys):
-    monkeypatch.setitem(
-        bench.SHAPES,
-        "tiny-k",
-        BenchShape(
-            "qwen3_moe",
-            dict(
-                hidden_size=256,
-                moe_intermediate_size=256,
-                num_experts=4,
-                num_experts_per_tok=2,
-                norm_topk_prob=True,
-            ),
+    shape = BenchShape(
+        "qwen3_moe",
+        dict(
+            hidden_size=256,
+            moe_intermediate_size=256,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
         ),
     )
-    assert (
-        cli.main(
-            [
-                "bench",
-                "--shape",
-                "tiny-k",
-                "--formats",
-                "gate_up=q2_k,down=q3_k",
-                "--prefill-tokens",
-                "8",
-                "--decode-steps",
-                "2",
-                "--json",
-            ]
-        )
-        == 0
+    record = _bench_json(
+        monkeypatch,
+        capsys,
+        shape,
+        "--formats",
+        "gate_up=q2_k,down=q3_k",
+        "--prefill-tokens",
+        "8",
+        "--decode-steps",
+        "2",
     )
-    record = json.loads(capsys.readouterr().out)
     assert record["formats"] == {"gate_up": "q2_k", "down": "q3_k"}
     # one expert: gate_up [512, 256] in q2_k (84 bytes per 256) and down [256, 256] in q3_k (110 per 256)
     assert record["expert_bytes"] == 512 * 84 + 256 * 110
@@ -159,27 +139,8 @@ def test_cli_quantised_bench_compares_with_the_dense_layer(monkeypatch, capsys):
 
 
 def test_cli_quantised_bench_reports_the_dequant_cache(monkeypatch, capsys):
-    monkeypatch.setitem(bench.SHAPES, "tiny-q", TINY)
-    assert (
-        cli.main(
-            [
-                "bench",
-                "--shape",
-                "tiny-q",
-                "--format",
-                "q8_0",
-                "--prefill-tokens",
-                "8",
-                "--decode-steps",
-                "2",
-                "--dequant-cache-gb",
-                "1",
-                "--json",
-            ]
-        )
-        == 0
-    )
-    cache = json.loads(capsys.readouterr().out)["dequant_cache"]
+    args = ("--format", "q8_0", "--prefill-tokens", "8", "--decode-steps", "2", "--dequant-cache-gb", "1")
+    cache = _bench_json(monkeypatch, capsys, TINY, *args)["dequant_cache"]
     # every prefill call after the first finds its experts dequantised already
     assert cache["misses"] > 0 and cache["hits"] > cache["misses"]
     # each miss keeps one expert's three [64, 32] projections dequantised to bf16 (2 bytes each)

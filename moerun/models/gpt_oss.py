@@ -3,6 +3,8 @@ columns with biases on both projections. transformers stores the expert weights 
 
 from moerun.activations import GptOssSwiGLU
 from moerun.layer import MoESpec
+from moerun.model.config import ModelConfig
+from moerun.models import decoder
 from moerun.models.moe_block import first
 from moerun.routing import TopKSoftmax
 
@@ -29,3 +31,27 @@ def moe_spec(config: dict) -> MoESpec:
         router_bias=True,
         expert_bias=True,
     )
+
+
+# transformers' GptOssConfig default when a config.json has no rope_parameters
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
+def model_config(config: dict) -> ModelConfig:
+    bias = bool(config.get("attention_bias", True))
+    attention = decoder.attention_spec(config, DEFAULT_ROPE, qkv_bias=bias, o_bias=bias, sinks=True)
+    n = config["num_hidden_layers"]
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)
+    ]
+    config = {"sliding_window": 128, **config}
+    windows = decoder.windows_from_layer_types(config, layer_types)
+    return decoder.model_config(config, moe_spec(config), attention, sliding_windows=windows)

@@ -1,6 +1,8 @@
 """Mixtral: softmax -> top-k, always renormalised; SiLU-GLU experts; no shared expert."""
 
 from moerun.layer import MoESpec
+from moerun.model.config import ModelConfig
+from moerun.models import decoder
 from moerun.models.moe_block import first, fused_expert_names, hf_glu
 from moerun.routing import SoftmaxTopK
 
@@ -14,4 +16,12 @@ def moe_spec(config: dict) -> MoESpec:
         num_experts=first(config, "num_local_experts", "num_experts"),
         routing=SoftmaxTopK(k=config["num_experts_per_tok"], renormalize=True),
         activation=hf_glu(config),
+    )
+
+
+def model_config(config: dict) -> ModelConfig:
+    window = config.get("sliding_window")
+    n = config["num_hidden_layers"]
+    return decoder.model_config(
+        config, moe_spec(config), decoder.attention_spec(config), sliding_windows=[window] * n
     )

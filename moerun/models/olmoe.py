@@ -2,6 +2,8 @@
 `intermediate_size`."""
 
 from moerun.layer import MoESpec
+from moerun.model.config import ModelConfig
+from moerun.models import decoder
 from moerun.models.moe_block import first, fused_expert_names, hf_glu, norm_topk_routing
 
 MOE_NAMES = fused_expert_names(router="gate")
@@ -15,3 +17,14 @@ def moe_spec(config: dict) -> MoESpec:
         routing=norm_topk_routing(config),
         activation=hf_glu(config),
     )
+
+
+def model_config(config: dict) -> ModelConfig:
+    attention = decoder.attention_spec(
+        config,
+        qkv_bias=bool(config.get("attention_bias")),
+        o_bias=bool(config.get("attention_bias")),
+        qk_norm="full",
+        clip_qkv=config.get("clip_qkv"),
+    )
+    return decoder.model_config(config, moe_spec(config), attention)

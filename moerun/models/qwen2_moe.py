@@ -1,6 +1,8 @@
 """Qwen2-MoE: Qwen routing plus a shared expert scaled by sigmoid(x · shared_expert_gate)."""
 
 from moerun.layer import MoESpec
+from moerun.model.config import ModelConfig
+from moerun.models import decoder
 from moerun.models.moe_block import first, fused_expert_names, hf_glu, norm_topk_routing, shared_mlp_names
 
 MOE_NAMES = {
@@ -20,3 +22,16 @@ def moe_spec(config: dict) -> MoESpec:
         shared_intermediate=config["shared_expert_intermediate_size"],
         shared_gate=True,
     )
+
+
+def model_config(config: dict) -> ModelConfig:
+    attention = decoder.attention_spec(config, qkv_bias=bool(config.get("qkv_bias", True)))
+    n = config["num_hidden_layers"]
+    layer_types = config.get("layer_types") or [
+        "sliding_attention"
+        if (i + 1) % 2 and i < config.get("max_window_layers", n) and config.get("use_sliding_window")
+        else "full_attention"
+        for i in range(n)
+    ]
+    windows = decoder.windows_from_layer_types(config, layer_types)
+    return decoder.model_config(config, moe_spec(config), attention, decoder.sparse_layers(config), windows)

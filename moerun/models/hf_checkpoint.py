@@ -1,0 +1,140 @@
+"""Hugging Face checkpoint names -> moerun's canonical names (`ModelConfig.tensor_shapes`), for
+every family: the decoder-stack names are shared; each MoE block goes through its family's
+`MOE_NAMES` table after per-expert tensors (`experts.{e}.w1` / `gate_proj`, ...) are stacked into
+transformers' fused 3-D layout, and GPT-OSS's MXFP4 `*_blocks` / `*_scales` become QTensors."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+import torch
+
+from moerun.model.config import ModelConfig
+from moerun.models import family
+from moerun.models.moe_block import sanitize
+from moerun.quant.dequant import gpt_oss_layout_bytes
+from moerun.quant.formats import QTensor
+
+_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
+_TOP = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_IN_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+}
+_ATTENTION = re.compile(r"self_attn\.(?:([qkvo])_proj\.(weight|bias)|(q_norm|k_norm)\.weight|(sinks))")
+_BLOCK = re.compile(r"(?:mlp|block_sparse_moe)\.(.+)")
+_PER_EXPERT = re.compile(r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+
+
+def _attention_name(match: re.Match) -> str:
+    proj, kind, norm, sinks = match.groups()
+    return f"attn.{proj}.{kind}" if proj else f"attn.{norm}.weight" if norm else "attn.sinks"
+
+
+def canonical_tensors(
+    model_type: str, config: ModelConfig, names: Iterable[str], get: Callable[[str], torch.Tensor]
+) -> tuple[dict[str, torch.Tensor | QTensor], dict[str, str]]:
+    """(canonical tensors, canonical name -> checkpoint name). Names that fit nothing are kept
+    under their own name, so the model's check lists them as unexpected."""
+    tensors: dict[str, torch.Tensor | QTensor] = {}
+    sources: dict[str, str] = {}
+    blocks: dict[int, dict[str, str]] = defaultdict(dict)  # layer -> block-relative name -> checkpoint name
+    for name in names:
+        if _IGNORED.fullmatch(name):
+            continue
+        canonical = _TOP.get(name)
+        if canonical is None and (m := _LAYER.fullmatch(name)):
+            layer, rest = int(m.group(1)), m.group(2)
+            if rest in _IN_LAYER:
+                canonical = f"layers.{layer}.{_IN_LAYER[rest]}"
+            elif a := _ATTENTION.fullmatch(rest):
+                canonical = f"layers.{layer}.{_attention_name(a)}"
+            elif (b := _BLOCK.fullmatch(rest)) and layer < config.num_layers:
+                blocks[layer][b.group(1)] = name
+                continue
+        canonical = canonical or name
+        tensors[canonical], sources[canonical] = get(name), name
+    for layer, block in blocks.items():
+        prefix = f"layers.{layer}."
+        if config.moe_layers[layer]:
+            moe, moe_sources = _moe_block(model_type, block, get)
+            tensors.update({prefix + "moe." + k: v for k, v in moe.items()})
+            sources.update({prefix + "moe." + k: v for k, v in moe_sources.items()})
+        else:
+            mlp, mlp_sources = _dense_mlp(block, get)
+            tensors.update({prefix + k: v for k, v in mlp.items()})
+            sources.update({prefix + k: v for k, v in mlp_sources.items()})
+    return tensors, sources
+
+
+def _dense_mlp(block: dict[str, str], get) -> tuple[dict, dict]:
+    tensors, sources, rest = {}, {}, dict(block)
+    gate, up = rest.pop("gate_proj.weight", None), rest.pop("up_proj.weight", None)
+    if gate and up:
+        tensors["mlp.gate_up"] = torch.cat([get(gate), get(up)], dim=0)
+        sources["mlp.gate_up"] = f"{gate} + {up}"
+    if down := rest.pop("down_proj.weight", None):
+        tensors["mlp.down"], sources["mlp.down"] = get(down), down
+    for rel, name in rest.items():
+        tensors["mlp." + rel], sources["mlp." + rel] = get(name), name
+    return tensors, sources
+
+
+def _moe_block(model_type: str, block: dict[str, str], get) -> tuple[dict, dict]:
+    """One MoE block's checkpoint names (relative to the block) -> canonical MoE tensors."""
+    per_expert: dict[str, dict[int, str]] = defaultdict(dict)
+    fused: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    quantised: dict[str, QTensor] = {}
+    for rel, name in block.items():
+        if m := _PER_EXPERT.fullmatch(rel):
+            per_expert[_ROLE[m.group(2)]][int(m.group(1))] = name
+        elif rel.endswith("_blocks") and (scales := block.get(rel[: -len("_blocks")] + "_scales")):
+            quantised[rel[: -len("_blocks")]] = _gpt_oss_mxfp4(get(name), get(scales))
+            origin[rel[: -len("_blocks")]] = f"{name} + {scales}"
+        elif not rel.endswith("_scales"):
+            fused[rel], origin[rel] = get(name), name
+    if per_expert:
+        n = 1 + max(max(e) for e in per_expert.values())
+        stacked = {
+            role: torch.stack([get(experts[e]) for e in range(n)])
+            for role, experts in per_expert.items()
+            if len(experts) == n
+        }
+        if "gate" in stacked and "up" in stacked:
+            fused["experts.gate_up_proj"] = torch.cat([stacked["gate"], stacked["up"]], dim=1)
+            origin["experts.gate_up_proj"] = "experts.*.gate/up weights"
+        if "down" in stacked:
+            fused["experts.down_proj"], origin["experts.down_proj"] = (
+                stacked["down"],
+                "experts.*.down weights",
+            )
+    tensors, sources = sanitize(model_type, fused)
+    for rel, q in quantised.items():  # GPT-OSS MXFP4 blocks are stored [E, out, in/32, 16]: not transposed
+        canonical = {"experts.gate_up_proj": "experts.gate_up", "experts.down_proj": "experts.down"}.get(
+            rel, rel
+        )
+        tensors[canonical], sources[canonical] = q, origin[rel]
+    known = {part for src in family(model_type).MOE_NAMES.values() for part in _parts(src)}
+    for rel in fused.keys() - known:  # names the family's table does not know: reported as unexpected
+        tensors[rel], sources[rel] = fused[rel], origin[rel]
+    sources = {k: " + ".join(origin.get(p, p) for p in v.split(" + ")) for k, v in sources.items()}
+    return tensors, sources
+
+
+def _parts(source: str | tuple[str, ...]) -> tuple[str, ...]:
+    return source if isinstance(source, tuple) else (source,)
+
+
+def _gpt_oss_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> QTensor:
+    """`*_blocks` [E, out, in/32, 16] + `*_scales` [E, out, in/32] -> QTensor [E, out, in]."""
+    data = gpt_oss_layout_bytes(blocks, scales)  # [E, out, in/32*17]
+    return QTensor.from_bytes("mxfp4_gpt_oss", (*blocks.shape[:-2], blocks.shape[-2] * 32), data)

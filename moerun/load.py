@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,6 +19,9 @@ from moerun.model.transformer import MoEModel
 from moerun.models import family
 from moerun.models.hf_checkpoint import canonical_tensors
 from moerun.quant.cache import DequantCache
+
+# kept in fp32 whatever the compute dtype (the MoE layer routes in fp32)
+_FP32_TENSOR = re.compile(r"\.moe\.(router\.|shared\.gate$)")
 
 
 def read_hf_config(directory: Path) -> dict:
@@ -32,8 +37,7 @@ def read_hf_config(directory: Path) -> dict:
     return config
 
 
-def _hf_model(root: Path) -> tuple[ModelConfig, dict]:
-    directory = root if root.is_dir() else root.parent
+def hf_model_config(directory: Path) -> ModelConfig:
     config = read_hf_config(directory)
     model_type = config["model_type"]
     try:
@@ -42,10 +46,38 @@ def _hf_model(root: Path) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"{directory / 'config.json'}: {err}") from None
     if not hasattr(fam, "model_config"):
         raise CheckpointError(f"{directory}: loading whole {model_type} models is not supported yet.")
-    model_config = fam.model_config(config)
+    return fam.model_config(config)
+
+
+def _hf_model(root: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict]:
+    model_config = hf_model_config(root if root.is_dir() else root.parent)
     checkpoint = SafetensorsCheckpoint(root)
-    tensors, _ = canonical_tensors(model_type, model_config, checkpoint.names(), checkpoint.tensor)
-    return model_config, tensors
+
+    def release(name: str) -> None:
+        if name in checkpoint:
+            checkpoint.release(name)
+
+    tensors, sources = canonical_tensors(
+        model_config.model_type, model_config, checkpoint.names(), checkpoint.tensor, release
+    )
+    return model_config, converted(tensors, sources, dtype, release)
+
+
+def converted(
+    tensors: dict, sources: dict[str, str], dtype: torch.dtype, release: Callable[[str], None]
+) -> dict:
+    """Dense floating tensors in their compute dtype (router tensors in fp32), converted one at a
+    time and each source's mapped pages released after, so a file in another dtype is never held
+    in memory next to the whole converted model. Same-dtype tensors stay views of the file."""
+    out = {}
+    for name, tensor in tensors.items():
+        target = torch.float32 if _FP32_TENSOR.search(name) else dtype
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != target:
+            tensor = tensor.to(target)
+            for source in sources.get(name, "").split(" + "):
+                release(source)
+        out[name] = tensor
+    return out
 
 
 def load(
@@ -69,6 +101,6 @@ def load(
 
         model_config, tensors = gguf_model(GGUFFile(root))
     else:
-        model_config, tensors = _hf_model(root)
+        model_config, tensors = _hf_model(root, dtype)
     cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None
     return MoEModel(model_config, tensors, dtype=dtype, device=device, backend=backend, dequant_cache=cache)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from moerun.loader.errors import CheckpointError
-from moerun.loader.mapped import map_file, view_bytes
+from moerun.loader.mapped import map_file, release_pages, view_bytes
 from moerun.quant.formats import FORMATS, FormatError, QTensor
 
 MAGIC = b"GGUF"
@@ -236,6 +236,12 @@ class GGUFFile:
                 f"elements, not a multiple of its {block}-element blocks."
             )
         return self._data[info.offset : info.offset + info.nbytes]
+
+    def release(self, name: str) -> None:
+        """Give back the memory of a tensor already copied out of the map (see `release_pages`)."""
+        info = self.info(name)
+        if info.nbytes is not None:
+            release_pages(self._data, info.offset, info.offset + info.nbytes)
 
     def tensor(self, name: str) -> torch.Tensor | QTensor:
         """F32/F16/BF16/F64 and I8-I64 tensors as torch tensors of the torch-order shape; the block

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,3 +27,32 @@ def view_bytes(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -
     if data.storage_offset() % data.new_empty((), dtype=dtype).element_size():
         data = data.clone()
     return data.view(dtype).reshape(shape)
+
+
+def _madvise():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+_MADVISE = _madvise() if sys.platform.startswith("linux") else None
+_MADV_DONTNEED = 4
+_PAGE = mmap.PAGESIZE
+
+
+def release_pages(data: torch.Tensor, begin: int, end: int) -> None:
+    """Drop this process's pages of bytes [begin, end) of a mapped file (`map_file`'s tensor) once
+    they have been copied elsewhere, so the loader does not hold a tensor twice. Only whole pages
+    inside the range go; the next touch would read them from the file again. Never call it on bytes
+    something still uses after writing to them: a private page written to is discarded too."""
+    if _MADVISE is None or data.numel() == 0:
+        return
+    base = data.data_ptr()
+    first = -(-(base + begin) // _PAGE) * _PAGE
+    last = (base + end) // _PAGE * _PAGE
+    if last > first:
+        _MADVISE(first, last - first, _MADV_DONTNEED)

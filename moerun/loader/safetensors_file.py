@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from moerun.loader.errors import CheckpointError
-from moerun.loader.mapped import map_file, view_bytes
+from moerun.loader.mapped import map_file, release_pages, view_bytes
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors package's own limit
 DTYPES = {
@@ -155,6 +155,11 @@ class SafetensorsFile:
         dtype, shape, begin, end = self._entry(name)
         return view_bytes(self._data[begin:end], dtype, shape)
 
+    def release(self, name: str) -> None:
+        """Give back the memory of a tensor already copied out of the map (see `release_pages`)."""
+        _, _, begin, end = self._entry(name)
+        release_pages(self._data, begin, end)
+
     def __repr__(self) -> str:
         return f"SafetensorsFile({str(self.path)!r}, {len(self._entries)} tensors)"
 
@@ -232,6 +237,9 @@ class SafetensorsCheckpoint:
 
     def tensor(self, name: str) -> torch.Tensor:
         return self._file(name).tensor(name)
+
+    def release(self, name: str) -> None:
+        self._file(name).release(name)
 
     def __repr__(self) -> str:
         n, files = len(self._where), len(self.files)

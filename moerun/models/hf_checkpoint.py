@@ -40,10 +40,15 @@ def _attention_name(match: re.Match) -> str:
 
 
 def canonical_tensors(
-    model_type: str, config: ModelConfig, names: Iterable[str], get: Callable[[str], torch.Tensor]
+    model_type: str,
+    config: ModelConfig,
+    names: Iterable[str],
+    get: Callable[[str], torch.Tensor],
+    release: Callable[[str], None] = lambda name: None,
 ) -> tuple[dict[str, torch.Tensor | QTensor], dict[str, str]]:
     """(canonical tensors, canonical name -> checkpoint name). Names that fit nothing are kept
-    under their own name, so the model's check lists them as unexpected."""
+    under their own name, so the model's check lists them as unexpected. `get` returns a checkpoint
+    tensor (a view of the mapped file); `release` is told when one has been copied and is not needed."""
     tensors: dict[str, torch.Tensor | QTensor] = {}
     sources: dict[str, str] = {}
     blocks: dict[int, dict[str, str]] = defaultdict(dict)  # layer -> block-relative name -> checkpoint name
@@ -65,21 +70,37 @@ def canonical_tensors(
     for layer, block in blocks.items():
         prefix = f"layers.{layer}."
         if config.moe_layers[layer]:
-            moe, moe_sources = _moe_block(model_type, block, get)
+            moe, moe_sources = _moe_block(model_type, block, get, release)
             tensors.update({prefix + "moe." + k: v for k, v in moe.items()})
             sources.update({prefix + "moe." + k: v for k, v in moe_sources.items()})
         else:
-            mlp, mlp_sources = _dense_mlp(block, get)
+            mlp, mlp_sources = _dense_mlp(block, get, release)
             tensors.update({prefix + k: v for k, v in mlp.items()})
             sources.update({prefix + k: v for k, v in mlp_sources.items()})
     return tensors, sources
 
 
-def _dense_mlp(block: dict[str, str], get) -> tuple[dict, dict]:
+def _stacked(parts: list[list[str]], get, release) -> torch.Tensor:
+    """parts[e] = checkpoint names of expert e's pieces, joined along rows -> [E, rows, cols], each
+    piece copied straight into place and its mapped pages released."""
+    shapes = [get(name).shape for name in parts[0]]
+    rows = sum(s[0] for s in shapes)
+    out = torch.empty((len(parts), rows, *shapes[0][1:]), dtype=get(parts[0][0]).dtype)
+    for e, names in enumerate(parts):
+        start = 0
+        for name in names:
+            piece = get(name)
+            out[e, start : start + piece.shape[0]] = piece
+            start += piece.shape[0]
+            release(name)
+    return out
+
+
+def _dense_mlp(block: dict[str, str], get, release) -> tuple[dict, dict]:
     tensors, sources, rest = {}, {}, dict(block)
     gate, up = rest.pop("gate_proj.weight", None), rest.pop("up_proj.weight", None)
     if gate and up:
-        tensors["mlp.gate_up"] = torch.cat([get(gate), get(up)], dim=0)
+        tensors["mlp.gate_up"] = _stacked([[gate, up]], get, release)[0]
         sources["mlp.gate_up"] = f"{gate} + {up}"
     if down := rest.pop("down_proj.weight", None):
         tensors["mlp.down"], sources["mlp.down"] = get(down), down
@@ -88,7 +109,7 @@ def _dense_mlp(block: dict[str, str], get) -> tuple[dict, dict]:
     return tensors, sources
 
 
-def _moe_block(model_type: str, block: dict[str, str], get) -> tuple[dict, dict]:
+def _moe_block(model_type: str, block: dict[str, str], get, release) -> tuple[dict, dict]:
     """One MoE block's checkpoint names (relative to the block) -> canonical MoE tensors."""
     per_expert: dict[str, dict[int, str]] = defaultdict(dict)
     fused: dict[str, torch.Tensor] = {}
@@ -104,19 +125,14 @@ def _moe_block(model_type: str, block: dict[str, str], get) -> tuple[dict, dict]
             fused[rel], origin[rel] = get(name), name
     if per_expert:
         n = 1 + max(max(e) for e in per_expert.values())
-        stacked = {
-            role: torch.stack([get(experts[e]) for e in range(n)])
-            for role, experts in per_expert.items()
-            if len(experts) == n
-        }
-        if "gate" in stacked and "up" in stacked:
-            fused["experts.gate_up_proj"] = torch.cat([stacked["gate"], stacked["up"]], dim=1)
+        complete = {role: experts for role, experts in per_expert.items() if len(experts) == n}
+        if "gate" in complete and "up" in complete:
+            parts = [[complete["gate"][e], complete["up"][e]] for e in range(n)]
+            fused["experts.gate_up_proj"] = _stacked(parts, get, release)
             origin["experts.gate_up_proj"] = "experts.*.gate/up weights"
-        if "down" in stacked:
-            fused["experts.down_proj"], origin["experts.down_proj"] = (
-                stacked["down"],
-                "experts.*.down weights",
-            )
+        if "down" in complete:
+            fused["experts.down_proj"] = _stacked([[complete["down"][e]] for e in range(n)], get, release)
+            origin["experts.down_proj"] = "experts.*.down weights"
     tensors, sources = sanitize(model_type, fused)
     for rel, q in quantised.items():  # GPT-OSS MXFP4 blocks are stored [E, out, in/32, 16]: not transposed
         canonical = {"experts.gate_up_proj": "experts.gate_up", "experts.down_proj": "experts.down"}.get(

@@ -1,0 +1,82 @@
+"""Loading maps the checkpoint instead of reading it twice: peak RSS while loading (and running a
+first forward, which touches every weight) stays within 1.3x the model's in-memory size."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+H, I, E, LAYERS, VOCAB = 1024, 512, 16, 4, 1024
+
+MEASURE = r"""
+import sys, torch, moerun
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+base = status("VmRSS")
+model = moerun.load(sys.argv[1], dtype=torch.bfloat16)
+model.logits(torch.arange(8)[None])
+print(status("VmHWM") - base)
+"""
+
+
+def _write_olmoe(directory, file_dtype: torch.dtype, per_expert: bool) -> int:
+    """A random OLMoE checkpoint as transformers names it; returns its size in bf16 bytes."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(shape, generator=gen) * 0.02).to(file_dtype)
+
+    tensors = {"model.embed_tokens.weight": rand(VOCAB, H), "lm_head.weight": rand(VOCAB, H)}
+    tensors["model.norm.weight"] = torch.ones(H, dtype=file_dtype)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        for proj in "qkvo":
+            tensors[p + f"self_attn.{proj}_proj.weight"] = rand(H, H)
+        for norm in ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm"):
+            tensors[p + norm + ".weight"] = torch.ones(H, dtype=file_dtype)
+        tensors[p + "mlp.gate.weight"] = rand(E, H)
+        if per_expert:
+            for e in range(E):
+                for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                    tensors[p + f"mlp.experts.{e}.{proj}.weight"] = rand(*shape)
+        else:
+            tensors[p + "mlp.experts.gate_up_proj"] = rand(E, 2 * I, H)
+            tensors[p + "mlp.experts.down_proj"] = rand(E, H, I)
+    save_file(tensors, directory / "model.safetensors")
+    config = dict(
+        model_type="olmoe",
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=I,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_experts=E,
+        num_experts_per_tok=4,
+    )
+    (directory / "config.json").write_text(json.dumps(config))
+    return sum(t.numel() for t in tensors.values()) * 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize(
+    "file_dtype, per_expert",
+    [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)],
+    ids=["bf16-per-expert-names", "bf16-fused-names", "fp32-file-to-bf16"],
+)
+def test_peak_rss_while_loading_is_within_1_3x_the_model(tmp_path, file_dtype, per_expert):
+    model_bytes = _write_olmoe(tmp_path, file_dtype, per_expert)
+    assert model_bytes > 200 * 2**20  # a few hundred MB
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    peak = int(out.stdout.split()[-1])
+    assert peak <= 1.3 * model_bytes, (
+        f"peak RSS above baseline {peak / 2**20:.0f} MiB for a {model_bytes / 2**20:.0f} MiB model"
+    )

@@ -47,6 +47,14 @@ def _formats(args: argparse.Namespace) -> dict[str, str] | None:
     return formats
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from moerun.describe import describe, format_description
+
+    description = describe(args.path)
+    print(json.dumps(description) if args.json else format_description(description))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from moerun.bench import DTYPES, SHAPES
 
@@ -75,12 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-peer", action="store_true", help="skip transformers' block")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_bench)
+    inspect = commands.add_parser("inspect", help="what a checkpoint holds: architecture, formats, memory")
+    inspect.add_argument(
+        "path", help="a HF checkpoint directory, a .gguf file, or a hub id in the local cache"
+    )
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(run=_inspect)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from moerun.loader import CheckpointError
+    from moerun.model.config import ConfigError
+
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (CheckpointError, ConfigError) as err:
+        print(f"moerun {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""`moerun inspect` against the configs and tensors the checkpoints were written from."""
+
+import json
+
+from hf_models import make_model, save_gpt_oss_mxfp4, save_model
+
+from moerun.cli import main
+from moerun.describe import describe
+
+
+def test_describes_a_hf_checkpoint_from_its_config(tmp_path):
+    hf_model = make_model("qwen2_moe")
+    save_model(hf_model, tmp_path)
+    d = describe(tmp_path)
+    c = hf_model.config
+    assert (d["architecture"], d["layers"], d["experts_per_layer"], d["top_k"]) == (
+        "qwen2_moe",
+        c.num_hidden_layers,
+        c.num_experts,
+        c.num_experts_per_tok,
+    )
+    assert d["moe_layers"] == c.num_hidden_layers - len(c.mlp_only_layers)
+    # one expert of one layer: gate, up [I, H] and down [H, I] in fp32
+    assert d["bytes_per_expert"] == 3 * c.moe_intermediate_size * c.hidden_size * 4
+    assert d["weights_bytes"] == sum(p.numel() * 4 for p in hf_model.parameters())
+    assert d["tensors"]["model.layers.*.mlp.experts.*.gate_proj.weight"] == {
+        "f32": d["moe_layers"] * c.num_experts
+    }
+
+
+def test_gpt_oss_mxfp4_experts_show_their_format(tmp_path):
+    hf_model = make_model("gpt_oss", hidden_size=64, intermediate_size=32)
+    d = describe(save_gpt_oss_mxfp4(hf_model, tmp_path))
+    assert d["tensors"]["model.layers.*.mlp.experts.gate_up_proj_blocks"] == {"mxfp4 (gpt-oss)": 3}
+    # 4.25 bits per weight (a 17-byte block per 32) plus fp32 biases, per expert and layer
+    c = hf_model.config
+    weights = (2 * c.intermediate_size * c.hidden_size + c.hidden_size * c.intermediate_size) * 17 // 32
+    assert d["bytes_per_expert"] == weights + (2 * c.intermediate_size + c.hidden_size) * 4
+
+
+def test_cli_prints_text_and_json(tmp_path, capsys):
+    save_model(make_model("olmoe"), tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "olmoe" in text and "per expert" in text
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["architecture"] == "olmoe"
+
+
+def test_cli_refuses_a_missing_path_in_one_sentence(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nothing-here")]) == 2
+    assert "nothing-here" in capsys.readouterr().err

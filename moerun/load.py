@@ -15,7 +15,7 @@ import torch
 
 from moerun.loader import CheckpointError, GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.model.config import ModelConfig
-from moerun.model.transformer import MoEModel
+from moerun.model.transformer import MoEModel, check_model_tensors
 from moerun.models import family
 from moerun.models.hf_checkpoint import canonical_tensors
 from moerun.quant.cache import DequantCache
@@ -60,6 +60,7 @@ def _hf_model(root: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict]:
     tensors, sources = canonical_tensors(
         model_config.model_type, model_config, checkpoint.names(), checkpoint.tensor, release
     )
+    check_model_tensors(model_config, tensors, sources, where=str(root))
     return model_config, converted(tensors, sources, dtype, release)
 
 

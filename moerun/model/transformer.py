@@ -180,13 +180,23 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def check_model_tensors(config: ModelConfig, tensors: Mapping[str, torch.Tensor | QTensor]) -> None:
-    """One StateDictError listing every missing, unexpected and mis-shaped tensor of the model."""
+def check_model_tensors(
+    config: ModelConfig,
+    tensors: Mapping[str, torch.Tensor | QTensor],
+    sources: Mapping[str, str] | None = None,
+    where: str = "",
+) -> None:
+    """One StateDictError listing every missing, unexpected and mis-shaped tensor of the model;
+    `sources` (canonical name -> checkpoint name) and `where` (the file) make the message concrete."""
+
+    def label(key: str) -> str:
+        return f"{key} ({sources[key]})" if sources and sources.get(key, key) != key else key
+
     expected = config.tensor_shapes()
     missing = [k for k in expected if k not in tensors]
     unexpected = [k for k in tensors if k not in expected]
     misshaped = [
-        f"{k} is {tuple(tensors[k].shape)}, expected {s}"
+        f"{label(k)} is {tuple(tensors[k].shape)}, expected {s}"
         for k, s in expected.items()
         if k in tensors and tuple(tensors[k].shape) != s
     ]

@@ -14,6 +14,19 @@ def _bench(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"... {message}", file=sys.stderr, flush=True)
 
+    if args.model:
+        from moerun.bench_model import format_model_table, run_model_bench
+
+        results = run_model_bench(
+            layers=args.layers,
+            dtype=args.dtype,
+            prompt_tokens=args.prefill_tokens,
+            decode_steps=args.decode_steps,
+            log=log,
+        )
+        print(json.dumps(results) if args.json else format_model_table(results))
+        return 0
+
     results = run_bench(
         shape_name=args.shape,
         dtype=args.dtype,
@@ -81,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --format: keep up to this many GB of dequantised experts for prefill (default: off)",
     )
     bench.add_argument("--no-peer", action="store_true", help="skip transformers' block")
+    bench.add_argument(
+        "--model",
+        action="store_true",
+        help="a whole generated OLMoE-shaped model against transformers' model (needs transformers)",
+    )
+    bench.add_argument("--layers", type=int, default=4, help="with --model: decoder layers (default 4)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_bench)
     inspect = commands.add_parser("inspect", help="what a checkpoint holds: architecture, formats, memory")

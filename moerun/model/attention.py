@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moerun.model.config import AttentionSpec
+from moerun.model.linear import linear
 from moerun.model.norm import rms_norm
 from moerun.model.rope import Rotary
 
@@ -54,7 +54,7 @@ class Attention:
         self.groups = spec.heads // spec.kv_heads
 
     def _project(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.t[f"{name}.weight"], self.t.get(f"{name}.bias"))
+        return linear(x, self.t[f"{name}.weight"], self.t.get(f"{name}.bias"))
 
     def __call__(
         self,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from moerun.layer import MoELayer, StateDictError
 from moerun.model.attention import Attention, KVCache
 from moerun.model.config import ModelConfig
+from moerun.model.linear import linear
 from moerun.model.norm import rms_norm
 from moerun.model.rope import Rotary
 from moerun.quant.cache import DequantCache
@@ -39,8 +40,8 @@ class DenseMLP:
         self.gate_up, self.down, self.activation = gate_up, down, activation
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.activation(F.linear(x, self.gate_up).float()).to(x.dtype)  # [B, T, I]
-        return F.linear(h, self.down)
+        h = self.activation(linear(x, self.gate_up).float()).to(x.dtype)  # [B, T, I]
+        return linear(h, self.down)
 
 
 class MoEModel:
@@ -118,7 +119,7 @@ class MoEModel:
         return rms_norm(x, self.norm, eps)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:

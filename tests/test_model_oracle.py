@@ -86,3 +86,11 @@ def test_gpt_oss_mxfp4_checkpoint_matches_transformers_dequantised(tmp_path):
     reference = hf_logits(load_gpt_oss_mxfp4_with_transformers(path), ids)
     assert rel_err(model.logits(ids), reference) <= 1e-4
     assert rel_err(hf_logits(hf_model, ids), reference) > 1e-2  # the quantisation is real
+
+
+def test_tied_embeddings(tmp_path):
+    hf_model = make_model("qwen3_moe", tie_word_embeddings=True)
+    assert hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
+    save_model(hf_model, tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 13), generator=torch.Generator().manual_seed(9))
+    assert rel_err(moerun.load(tmp_path, dtype=torch.float32).logits(ids), hf_logits(hf_model, ids)) <= 1e-4

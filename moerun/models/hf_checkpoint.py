@@ -53,8 +53,8 @@ def canonical_tensors(
     sources: dict[str, str] = {}
     blocks: dict[int, dict[str, str]] = defaultdict(dict)  # layer -> block-relative name -> checkpoint name
     for name in names:
-        if _IGNORED.fullmatch(name):
-            continue
+        if _IGNORED.fullmatch(name) or (config.tie_embeddings and name == "lm_head.weight"):
+            continue  # tied: the output projection is the embedding, whatever copy a file carries
         canonical = _TOP.get(name)
         if canonical is None and (m := _LAYER.fullmatch(name)):
             layer, rest = int(m.group(1)), m.group(2)

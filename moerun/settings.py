@@ -3,6 +3,9 @@
 `MOERUN_TRACE` is a comma-separated list of trace channels:
   perf     per-stage wall times of each MoE layer call (route, plan, experts, combine)
   buffers  router sanity figures (logit min/max, NaN count, out-of-range ids, weight range)
+The Hugging Face hub cache (where hub ids are looked up, never downloaded) follows huggingface_hub:
+`HF_HUB_CACHE` (or its older name `HUGGINGFACE_HUB_CACHE`), else `HF_HOME/hub`, else
+`XDG_CACHE_HOME/huggingface/hub`, else `~/.cache/huggingface/hub`.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 TRACE_CHANNELS = frozenset({"perf", "buffers"})
 
@@ -18,6 +22,7 @@ TRACE_CHANNELS = frozenset({"perf", "buffers"})
 @dataclass(frozen=True)
 class Settings:
     trace: frozenset[str] = frozenset()
+    hf_hub_cache: Path = field(default_factory=lambda: Path.home() / ".cache" / "huggingface" / "hub")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -31,7 +36,15 @@ class Settings:
             )
         if "all" in channels:
             channels = TRACE_CHANNELS
-        return cls(trace=channels)
+        return cls(trace=channels, hf_hub_cache=_hf_hub_cache(environ))
+
+
+def _hf_hub_cache(environ: Mapping[str, str]) -> Path:
+    cache = environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE")
+    if cache:
+        return Path(cache).expanduser()
+    home = environ.get("HF_HOME") or os.path.join(environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
 
 
 @functools.cache

@@ -7,6 +7,16 @@ from pathlib import Path
 import pytest
 
 from moerun.loader import CheckpointError, hub_cache_dir, resolve_checkpoint
+from moerun.settings import settings
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings():
+    """The environment is read once per process: re-read it around each test that changes it."""
+    settings.cache_clear()
+    yield
+    settings.cache_clear()
+
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -1,8 +1,7 @@
 """Where a checkpoint is: a local path, or a Hugging Face hub id found in the local hub cache.
 
 moerun never downloads: a hub id (`org/name`) resolves only to a snapshot already in the cache
-(`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`, else
-`~/.cache/huggingface/hub`, as huggingface_hub looks), laid out as
+(located as huggingface_hub does, see moerun.settings), laid out as
 `models--org--name/refs/main` (a commit hash) and `models--org--name/snapshots/<hash>/...`.
 """
 
@@ -14,19 +13,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from moerun.loader.errors import CheckpointError
+from moerun.settings import Settings, settings
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def hub_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """The Hugging Face hub cache directory the environment points at (huggingface_hub's rules)."""
-    env = os.environ if environ is None else environ
-    # HUGGINGFACE_HUB_CACHE is the older name huggingface_hub still honours.
-    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
-    if cache:
-        return Path(cache).expanduser()
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(home).expanduser() / "hub"
+    """The Hugging Face hub cache directory (moerun.settings has the rules); `environ` defaults to
+    the process environment as read once by moerun.settings."""
+    return settings().hf_hub_cache if environ is None else Settings.from_env(environ).hf_hub_cache
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike, environ: Mapping[str, str] | None = None) -> Path:

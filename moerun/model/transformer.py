@@ -21,6 +21,7 @@ from moerun.model.rope import Rotary
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
+from moerun.sampling import Sampler, SamplingParams
 
 
 class ContextError(ValueError):
@@ -142,9 +143,12 @@ class MoEModel:
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         seed: int | None = None,
+        **sampling,
     ) -> Iterator[Token]:
         """Yield up to `max_new_tokens` tokens after `prompt` (ids): greedy at temperature 0, else
-        sampled from softmax(logits / temperature). Stops after an end-of-sequence id or at the context."""
+        sampled (`top_k`, `top_p`, `min_p`, `repetition_penalty`: see moerun.sampling). Stops after
+        an end-of-sequence id or when the context is full."""
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=seed, **sampling))
         ids = torch.tensor([list(prompt)], dtype=torch.long)
         if ids.shape[1] == 0:
             raise ValueError("generate needs a prompt of at least one token.")
@@ -152,12 +156,12 @@ class MoEModel:
         total = min(ids.shape[1] + max_new_tokens, self.config.max_positions)  # prompt + new tokens
         steps = total - ids.shape[1]
         cache = self.new_cache(1, total)
-        generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         for s in range(0, ids.shape[1], self.prefill_chunk):
             hidden = self.forward(ids[:, s : s + self.prefill_chunk], cache)
+        seen = list(prompt)
         for step in range(steps):
-            logits = self._logits(hidden[0, -1])  # [V]
-            next_id = _pick(logits, temperature, generator)
+            next_id = sampler(self._logits(hidden[0, -1]), seen)  # logits [V]
+            seen.append(next_id)
             yield Token(next_id)
             if next_id in self.config.eos_token_ids or step == steps - 1:
                 return
@@ -172,13 +176,6 @@ class MoEModel:
             )
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
             raise ValueError(f"Token ids must lie in [0, {V}) for this model's vocabulary of {V}.")
-
-
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def check_model_tensors(

@@ -50,3 +50,25 @@ def test_cli_prints_text_and_json(tmp_path, capsys):
 def test_cli_refuses_a_missing_path_in_one_sentence(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nothing-here")]) == 2
     assert "nothing-here" in capsys.readouterr().err
+
+
+def test_describes_a_gguf_file_from_its_metadata(tmp_path):
+    from gguf_from_hf import write_gguf
+
+    hf_model = make_model("olmoe", hidden_size=256, intermediate_size=256)
+    path = tmp_path / "model.gguf"
+    write_gguf(hf_model, path, "q4_k", down="q6_k")
+    d = describe(path)
+    c = hf_model.config
+    assert (d["file_format"], d["architecture"], d["layers"], d["experts_per_layer"], d["top_k"]) == (
+        "gguf",
+        "olmoe",
+        c.num_hidden_layers,
+        c.num_experts,
+        c.num_experts_per_tok,
+    )
+    assert d["tensors"]["blk.*.ffn_gate_exps.weight"] == {"q4_k": 3}
+    assert d["tensors"]["blk.*.ffn_down_exps.weight"] == {"q6_k": 3}
+    # q4_k: 144 bytes per 256 weights (gate, up); q6_k: 210 (down)
+    per_row = c.hidden_size // 256
+    assert d["bytes_per_expert"] == c.intermediate_size * per_row * (2 * 144 + 210)

@@ -8,6 +8,7 @@ from moerun.models import decoder
 from moerun.models.moe_block import first
 from moerun.routing import TopKSoftmax
 
+GGUF_ARCH = "gpt-oss"  # general.architecture of its GGUF files (moerun.models.gguf_checkpoint)
 MOE_NAMES = {
     "router.weight": "router.weight",
     "router.bias": "router.bias",

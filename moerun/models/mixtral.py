@@ -6,6 +6,7 @@ from moerun.models import decoder
 from moerun.models.moe_block import first, fused_expert_names, hf_glu
 from moerun.routing import SoftmaxTopK
 
+GGUF_ARCH = "llama"  # general.architecture of its GGUF files (moerun.models.gguf_checkpoint)
 MOE_NAMES = fused_expert_names(router="gate")
 
 

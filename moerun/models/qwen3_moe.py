@@ -5,6 +5,7 @@ from moerun.model.config import ModelConfig
 from moerun.models import decoder
 from moerun.models.moe_block import first, fused_expert_names, hf_glu, norm_topk_routing
 
+GGUF_ARCH = "qwen3moe"  # general.architecture of its GGUF files (moerun.models.gguf_checkpoint)
 MOE_NAMES = fused_expert_names(router="gate")
 
 

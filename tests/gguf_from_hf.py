@@ -1,0 +1,248 @@
+"""Write a tiny transformers model (`hf_models.make_model`) as a GGUF file the way llama.cpp's
+convert_hf_to_gguf.py does for its arch: the same metadata keys, tensor names (gguf-py's
+tensor_mapping), q/k rows permuted for `llama` (LlamaModel.permute), experts merged per projection
+[E, out, in] with gate and up apart (GPT-OSS's interleaved gate/up split into even and odd rows), the
+Qwen2-MoE shared-expert gate stored [H], GPT-OSS's MLP norm named post_attention_norm. One addition:
+OLMoE's clip_qkv is written as `olmoe.attention.clamp_kqv` (the converter drops it).
+
+Expert projections may be quantised with moerun's quantisers (bit-exact with ggml's reference ones);
+the writer returns what the file then holds, dequantised, under transformers' names and layouts, so a
+test can load it back into the transformers model and compare like with like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from moerun.quant.dequant import dequantize
+from moerun.quant.quantize import quantize
+
+ARCHS = {
+    "mixtral": gguf.MODEL_ARCH.LLAMA,
+    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "olmoe": gguf.MODEL_ARCH.OLMOE,
+    "gpt_oss": gguf.MODEL_ARCH.GPT_OSS,
+}
+RAW_TYPES = {
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q4_k": gguf.GGMLQuantizationType.Q4_K,
+    "q5_k": gguf.GGMLQuantizationType.Q5_K,
+    "q6_k": gguf.GGMLQuantizationType.Q6_K,
+    "q2_k": gguf.GGMLQuantizationType.Q2_K,
+    "q3_k": gguf.GGMLQuantizationType.Q3_K,
+    "mxfp4": gguf.GGMLQuantizationType.MXFP4,
+}
+_ATTENTION = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+
+
+def write_gguf(
+    model,
+    path: Path,
+    experts: str = "f32",
+    up: str | None = None,
+    down: str | None = None,
+    attention: str = "f32",
+    skip: Collection[str] = (),
+    per_expert: bool = False,
+    fuse_gate_up: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Write `model` to `path`: gate experts in format `experts`, up in `up`, down in `down` (both
+    default to `experts`), attention projections in `attention` ("f32" or a block format); tensors
+    named in `skip` are left out; `per_expert` writes the old one-tensor-per-expert layout and
+    `fuse_gate_up` the newer fused ffn_gate_up_exps (gate rows then up rows; --fuse-gate-up-exps).
+
+    Returns {transformers parameter name: tensor} for every parameter whose stored values differ from
+    the model's (the quantised ones, dequantised, in transformers' layout)."""
+    config, model_type = model.config, model.config.model_type
+    arch = ARCHS[model_type]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    _metadata(writer, config, model_type)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    formats = {"gate": experts, "up": up or experts, "down": down or experts}
+    updates: dict[str, torch.Tensor] = {}
+
+    def add(name: str, tensor: torch.Tensor, fmt: str = "f32") -> torch.Tensor:
+        """Store `tensor` as `fmt`; returns the values the file then holds."""
+        if name in skip:
+            return tensor
+        if fmt == "f32":
+            writer.add_tensor(name, tensor.detach().float().contiguous().numpy())
+            return tensor
+        q = _quantize(tensor.detach().float(), fmt)
+        writer.add_tensor(name, q.data.numpy(), raw_dtype=RAW_TYPES[fmt])
+        return dequantize(q)
+
+    for hf_name, tensor in model.state_dict().items():
+        if ".mlp.experts." in hf_name:
+            layout = "per_expert" if per_expert else "fused" if fuse_gate_up else "merged"
+            updates.update(_experts(add, hf_name, tensor, model_type, formats, layout))
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        if name.endswith("attn_sinks"):
+            name += ".weight"  # as GptOssModel.filter_tensors
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            tensor = tensor.reshape(-1)  # llama.cpp's shape: [H]
+        permute = model_type == "mixtral" and name.split(".")[-2] in ("attn_q", "attn_k")
+        heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
+        if permute:
+            tensor = llama_permute(tensor, heads)
+        fmt = attention if name.split(".", 2)[-1] in _ATTENTION else "f32"
+        stored = add(name, tensor, fmt)
+        if fmt != "f32":
+            updates[hf_name] = llama_unpermute(stored, heads) if permute else stored
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return updates
+
+
+def _quantize(tensor: torch.Tensor, fmt: str):
+    """On one thread: these tensors are small, and on a busy 2-core machine the thread pool made
+    quantising them up to 20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return quantize(tensor, fmt)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows in ggml's interleaved RoPE order."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of `llama_permute`."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _experts(add, hf_name: str, tensor: torch.Tensor, model_type: str, formats: dict, layout: str):
+    """transformers' fused experts -> ffn_{gate,up,down}_exps (weights [E, out, in], biases [E, out])."""
+    layer = int(hf_name.split(".")[2])
+    prefix, kind = f"blk.{layer}.", "bias" if hf_name.endswith("_bias") else "weight"
+    gpt_oss = model_type == "gpt_oss"
+    if gpt_oss and kind == "weight":
+        tensor = tensor.transpose(-1, -2)  # transformers stores GPT-OSS experts [E, in, out]
+    if "gate_up_proj" not in hf_name:
+        if layout == "per_expert" and kind == "weight":
+            for e in range(tensor.shape[0]):
+                add(f"{prefix}ffn_down.{e}.weight", tensor[e])
+            return {}
+        stored = add(f"{prefix}ffn_down_exps.{kind}", tensor, formats["down"] if kind == "weight" else "f32")
+        if kind == "bias" or formats["down"] == "f32":
+            return {}
+        return {hf_name: stored.transpose(-1, -2) if gpt_oss else stored}
+    rows = -1 if kind == "bias" else -2
+    if gpt_oss:  # interleaved: gate j at 2j, up j at 2j + 1
+        gate, up = tensor.unflatten(rows, (-1, 2)).unbind(rows)
+    else:
+        gate, up = tensor.chunk(2, dim=rows)
+    if layout == "per_expert" and kind == "weight":
+        for e in range(tensor.shape[0]):
+            add(f"{prefix}ffn_gate.{e}.weight", gate[e])
+            add(f"{prefix}ffn_up.{e}.weight", up[e])
+        return {}
+    if layout == "fused":  # dense only here
+        add(f"{prefix}ffn_gate_up_exps.{kind}", torch.cat([gate, up], dim=rows))
+        return {}
+    fmt = ("f32", "f32") if kind == "bias" else (formats["gate"], formats["up"])
+    gate = add(f"{prefix}ffn_gate_exps.{kind}", gate, fmt[0])
+    up = add(f"{prefix}ffn_up_exps.{kind}", up, fmt[1])
+    if fmt == ("f32", "f32"):
+        return {}
+    fused = (
+        torch.stack([gate, up], dim=rows).flatten(rows - 1, rows) if gpt_oss else torch.cat([gate, up], rows)
+    )
+    return {hf_name: fused.transpose(-1, -2) if gpt_oss else fused}
+
+
+def _metadata(writer: gguf.GGUFWriter, config, model_type: str) -> None:
+    """TextModel.set_gguf_parameters plus each model class's additions."""
+    _check_representable(config, model_type)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    rope = dict(config.rope_parameters)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(getattr(config, "num_experts_per_tok", None) or config.experts_per_token)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if model_type == "mixtral":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(head_dim or config.hidden_size // config.num_attention_heads)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if model_type == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if model_type == "olmoe" and config.clip_qkv is not None:
+        writer.add_clamp_kqv(config.clip_qkv)
+    if model_type == "gpt_oss":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+    for key, value in (("bos", config.bos_token_id), ("eos", config.eos_token_id)):
+        if value is not None:
+            writer.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+
+
+def _check_representable(config, model_type: str) -> None:
+    """Refuse configs whose behaviour llama.cpp's arch cannot express (so a test cannot pass by luck)."""
+    problems = []
+    if model_type == "mixtral" and config.sliding_window is not None:
+        problems.append("llama.cpp's llama arch has no sliding window")
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        if getattr(config, "use_sliding_window", False):
+            problems.append("llama.cpp's qwen MoE archs have no sliding window")
+        if config.mlp_only_layers or config.decoder_sparse_step != 1:
+            problems.append("llama.cpp's qwen MoE archs have MoE in every layer")
+    if model_type == "gpt_oss":
+        if config.swiglu_limit != 7.0:
+            problems.append("llama.cpp's gpt-oss SwiGLU limit is 7.0")
+        pattern = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)
+        ]
+        if list(config.layer_types) != pattern:
+            problems.append("llama.cpp's gpt-oss has sliding windows on even layers only")
+    if problems:
+        raise ValueError(f"{model_type} config not representable in GGUF: {'; '.join(problems)}.")
+
+
+def write_unknown_arch(path: Path, arch: str = "mamba") -> Path:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

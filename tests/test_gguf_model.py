@@ -1,0 +1,129 @@
+"""Whole models loaded from GGUF files (written as llama.cpp's converter writes them) against
+transformers on the same weights: fp32 files, quantised experts, and the errors a bad file gets."""
+
+import copy
+
+import pytest
+import torch
+from conftest import rel_err
+from gguf_from_hf import write_gguf, write_unknown_arch
+from hf_models import FAMILIES, VOCAB, hf_greedy, hf_logits, make_model
+
+import moerun
+from moerun.layer import StateDictError
+from moerun.loader import CheckpointError
+
+# Configs llama.cpp's archs can express: no sliding window outside gpt-oss, MoE in every Qwen layer,
+# gpt-oss's fixed SwiGLU limit. (qwen3_moe keeps hf_models' YaRN, which GGUF metadata carries.)
+GGUF_OVERRIDES = {
+    "mixtral": dict(sliding_window=None),
+    "qwen2_moe": dict(mlp_only_layers=[], use_sliding_window=False),
+    "qwen3_moe": {},
+    "olmoe": {},
+    "gpt_oss": dict(swiglu_limit=7.0),
+}
+# k-quants need rows of 256: hidden and expert intermediate 256, kept to 2 layers and 4 experts.
+QUANT_SIZES = {
+    "mixtral": dict(intermediate_size=256, num_local_experts=4),
+    "qwen2_moe": dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=256, num_experts=4),
+    "gpt_oss": dict(intermediate_size=256, num_local_experts=4),
+}
+# (family, gate format, up format, down format, attention format)
+QUANT_CASES = {
+    "mixtral-q4_k": ("mixtral", "q4_k", "q4_k", "q4_k", "f32"),
+    "qwen2_moe-q4_k": ("qwen2_moe", "q4_k", "q4_k", "q4_k", "f32"),
+    "qwen3_moe-q4_k": ("qwen3_moe", "q4_k", "q4_k", "q4_k", "f32"),
+    "olmoe-q4_k": ("olmoe", "q4_k", "q4_k", "q4_k", "f32"),
+    "gpt_oss-mxfp4": ("gpt_oss", "mxfp4", "mxfp4", "mxfp4", "f32"),
+    "qwen3_moe-q2_k-gate-up-q3_k-down": ("qwen3_moe", "q2_k", "q2_k", "q3_k", "f32"),
+    "mixtral-q8_0-experts-and-attention": ("mixtral", "q8_0", "q8_0", "q8_0", "q8_0"),
+}
+IDS = torch.randint(0, VOCAB, (2, 23), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def f32_gguf(request, tmp_path_factory):
+    model = make_model(request.param, **GGUF_OVERRIDES[request.param])
+    path = tmp_path_factory.mktemp("gguf") / f"{request.param}-f32.gguf"
+    assert write_gguf(model, path) == {}
+    return model, moerun.load(path, dtype=torch.float32)
+
+
+def test_f32_logits_match_transformers(f32_gguf):
+    hf_model, model = f32_gguf
+    ours = model.logits(IDS)
+    assert ours.shape == (2, 23, VOCAB)
+    assert rel_err(ours, hf_logits(hf_model, IDS)) <= 1e-4
+
+
+def test_f32_greedy_generation_matches_transformers(f32_gguf):
+    hf_model, model = f32_gguf
+    prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert [t.id for t in model.generate(prompt, max_new_tokens=16)] == hf_greedy(hf_model, prompt, 16)
+
+
+@pytest.fixture(scope="module")
+def quant_models():
+    """One hidden-256 transformers model per family, built on first use."""
+    models = {}
+
+    def get(model_type: str):
+        if model_type not in models:
+            sizes = {**GGUF_OVERRIDES[model_type], **QUANT_SIZES[model_type]}
+            models[model_type] = make_model(model_type, hidden_size=256, num_hidden_layers=2, **sizes)
+        return models[model_type]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(QUANT_CASES))
+def test_quantised_experts_match_transformers_on_the_dequantised_weights(case, quant_models, tmp_path):
+    model_type, gate, up, down, attention = QUANT_CASES[case]
+    hf_model = copy.deepcopy(quant_models(model_type))
+    stored = write_gguf(hf_model, tmp_path / "model.gguf", gate, up=up, down=down, attention=attention)
+    expected_updates = hf_model.config.num_hidden_layers * (2 if attention == "f32" else 6)
+    assert len(stored) == expected_updates  # every quantised tensor went back into the model
+    hf_model.load_state_dict(stored, strict=False)
+    model = moerun.load(tmp_path / "model.gguf", dtype=torch.float32)
+    assert model.mlps[0].experts.gate_up.format.name == gate  # still quantised
+    assert rel_err(model.logits(IDS), hf_logits(hf_model, IDS)) <= 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_fused_gate_up_experts_load(model_type, tmp_path):
+    """convert_hf_to_gguf.py --fuse-gate-up-exps: one ffn_gate_up_exps tensor, gate rows then up rows."""
+    hf_model = make_model(model_type, **GGUF_OVERRIDES[model_type])
+    write_gguf(hf_model, tmp_path / "fused.gguf", fuse_gate_up=True)
+    model = moerun.load(tmp_path / "fused.gguf", dtype=torch.float32)
+    assert rel_err(model.logits(IDS), hf_logits(hf_model, IDS)) <= 1e-4
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    path = write_unknown_arch(tmp_path / "mamba.gguf", "mamba")
+    with pytest.raises(CheckpointError, match=r"mamba\.gguf.*'mamba'.*gpt-oss"):
+        moerun.load(path, dtype=torch.float32)
+
+
+def test_missing_expert_tensor_is_named(tmp_path):
+    path = tmp_path / "missing.gguf"
+    write_gguf(make_model("olmoe"), path, skip={"blk.1.ffn_down_exps.weight"})
+    with pytest.raises(StateDictError, match=r"missing layers\.1\.moe\.experts\.down.*blk\.1\.ffn_down_exps"):
+        moerun.load(path, dtype=torch.float32)
+
+
+def test_per_expert_layout_is_refused_with_a_way_out(tmp_path):
+    path = tmp_path / "old.gguf"
+    write_gguf(make_model("mixtral", **GGUF_OVERRIDES["mixtral"]), path, per_expert=True)
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_\w+\.0\.weight.*one-tensor-per-expert.*convert"):
+        moerun.load(path, dtype=torch.float32)
+
+
+def test_gate_and_up_experts_of_different_formats_are_refused(tmp_path):
+    path = tmp_path / "mixed.gguf"
+    write_gguf(make_model("olmoe"), path, "q8_0", up="q4_0", down="f32")
+    with pytest.raises(
+        CheckpointError, match=r"ffn_gate_exps\.weight is Q8_0 but blk\.0\.ffn_up_exps\.weight is Q4_0"
+    ):
+        moerun.load(path, dtype=torch.float32)

@@ -4,7 +4,8 @@ windows and per-head attention sinks (GPT-OSS).
 
 Queries are processed as a chunk of positions [start, start + T) against the keys [0, start + T)
 already in the cache (sliding layers: only the window), so memory is T x cached, never a full
-prompt squared. Scores and softmax run in fp32.
+prompt squared. Attention runs in torch's scaled_dot_product_attention, except with sinks, which
+it cannot express: there scores and softmax run in fp32.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from moerun.model.config import AttentionSpec
 from moerun.model.linear import linear
@@ -97,21 +99,31 @@ class Attention:
 
     def _attend(self, q, keys, values, start: int, first: int) -> torch.Tensor:
         B, nh, T, D = q.shape
+        S = keys.shape[2]
+        allowed = None  # a single query with no window sees every cached key
+        if T > 1 or self.window is not None:
+            q_pos = torch.arange(start, start + T, device=q.device)[:, None]
+            k_pos = torch.arange(first, first + S, device=q.device)[None, :]
+            allowed = k_pos <= q_pos
+            if self.window is not None:
+                allowed &= q_pos - k_pos < self.window
+        if not self.spec.sinks:
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=allowed, enable_gqa=self.groups > 1
+            )
+        return self._attend_with_sinks(q, keys, values, allowed)
+
+    def _attend_with_sinks(self, q, keys, values, allowed) -> torch.Tensor:
+        """GPT-OSS: each head's sink logit joins the softmax's denominator (then is dropped)."""
+        B, nh, T, D = q.shape
         nkv, S = keys.shape[1], keys.shape[2]
         grouped = q.reshape(B, nkv, self.groups * T, D)  # query heads of one kv head together
         scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * D**-0.5  # [B, nkv, g*T, S]
         scores = scores.view(B, nkv, self.groups, T, S)
-        q_pos = torch.arange(start, start + T, device=q.device)[:, None]
-        k_pos = torch.arange(first, first + S, device=q.device)[None, :]
-        allowed = k_pos <= q_pos
-        if self.window is not None:
-            allowed &= q_pos - k_pos < self.window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        if self.spec.sinks:
-            sinks = self.t["sinks"].float().view(1, nkv, self.groups, 1, 1).expand(B, -1, -1, T, 1)
-            logits = torch.cat([scores, sinks], dim=-1)
-            probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :S]
-        else:
-            probs = torch.softmax(scores, dim=-1)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        sinks = self.t["sinks"].float().view(1, nkv, self.groups, 1, 1).expand(B, -1, -1, T, 1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :S]
         probs = probs.to(values.dtype).view(B, nkv, self.groups * T, S)
         return torch.matmul(probs, values).view(B, nh, T, D)

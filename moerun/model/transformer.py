@@ -134,7 +134,7 @@ class MoEModel:
             self._logits(self.forward(ids[:, s : s + self.prefill_chunk], cache))
             for s in range(0, ids.shape[1], self.prefill_chunk)
         ]
-        return torch.cat(chunks, dim=1)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
 
     @torch.inference_mode()
     def generate(

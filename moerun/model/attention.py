@@ -24,7 +24,8 @@ from moerun.model.rope import Rotary
 
 @dataclass
 class KVCache:
-    """Keys and values of every layer, [B, kv_heads, max_len, head_dim] each, filled up to `length`."""
+    """Keys and values of every layer, [B, kv_heads, max_len, head_dim] each, filled up to `length`
+    (positions past it are uninitialised and never read)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -35,8 +36,8 @@ class KVCache:
         cls, num_layers: int, batch: int, spec: AttentionSpec, max_len: int, dtype: torch.dtype, device
     ) -> KVCache:
         shape = (batch, spec.kv_heads, max_len, spec.head_dim)
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return cls(keys, values)
 
     @property

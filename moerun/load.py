@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from moerun.model.transformer import MoEModel, check_model_tensors
 from moerun.models import family
 from moerun.models.hf_checkpoint import canonical_tensors
 from moerun.quant.cache import DequantCache
+from moerun.text.tokenizer import Tokenizer
 
 # kept in fp32 whatever the compute dtype (the MoE layer routes in fp32)
 _FP32_TENSOR = re.compile(r"\.moe\.(router\.|shared\.gate$)")
@@ -100,8 +102,27 @@ def load(
     if root.is_file() and root.suffix == ".gguf":
         from moerun.models.gguf_checkpoint import gguf_model
 
-        model_config, tensors = gguf_model(GGUFFile(root))
+        gguf = GGUFFile(root)
+        model_config, tensors = gguf_model(gguf)
+        has_tokenizer = "tokenizer.ggml.model" in gguf.metadata
+        read = lambda: Tokenizer.from_gguf_metadata(gguf.metadata, source=str(root))  # noqa: E731
+        tokenizer = _tokenizer(read) if has_tokenizer else None
     else:
         model_config, tensors = _hf_model(root, dtype)
+        directory = root if root.is_dir() else root.parent
+        has_tokenizer = (directory / "tokenizer.json").is_file()
+        tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory)) if has_tokenizer else None
     cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None
-    return MoEModel(model_config, tensors, dtype=dtype, device=device, backend=backend, dequant_cache=cache)
+    model = MoEModel(model_config, tensors, dtype=dtype, device=device, backend=backend, dequant_cache=cache)
+    model.tokenizer = tokenizer
+    return model
+
+
+def _tokenizer(read: Callable[[], Tokenizer]) -> Tokenizer | None:
+    """The checkpoint's tokenizer; one it has but moerun cannot read is reported, not fatal: the
+    model still runs on token ids."""
+    try:
+        return read()
+    except (ValueError, OSError) as err:
+        warnings.warn(f"{err} The model loads without a tokenizer (token ids only).", stacklevel=3)
+        return None

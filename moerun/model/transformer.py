@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,8 @@ from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
 from moerun.sampling import Sampler, SamplingParams
+from moerun.text.stops import StopMatcher
+from moerun.text.tokenizer import StreamDecoder, Tokenizer
 
 
 class ContextError(ValueError):
@@ -30,10 +33,11 @@ class ContextError(ValueError):
 
 @dataclass(frozen=True)
 class Token:
-    """One generated token: its id and (when the model has a tokenizer) its text."""
+    """One generated token: its id and (when the model has a tokenizer) the text it completes."""
 
     id: int
     text: str = ""
+    last: bool = field(default=False, repr=False, compare=False)  # the generation ends after it
 
 
 class DenseMLP:
@@ -58,6 +62,7 @@ class MoEModel:
     ):
         check_model_tensors(config, tensors)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.tokenizer: Tokenizer | None = None  # set by moerun.load when the checkpoint has one
         self.prefill_chunk = prefill_chunk
 
         def dense(name: str) -> torch.Tensor:
@@ -136,36 +141,85 @@ class MoEModel:
         ]
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
 
-    @torch.inference_mode()
     def generate(
         self,
-        prompt: Sequence[int],
+        prompt: str | Sequence[int],
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         seed: int | None = None,
+        stop: Sequence[str] = (),
         **sampling,
     ) -> Iterator[Token]:
-        """Yield up to `max_new_tokens` tokens after `prompt` (ids): greedy at temperature 0, else
-        sampled (`top_k`, `top_p`, `min_p`, `repetition_penalty`: see moerun.sampling). Stops after
-        an end-of-sequence id or when the context is full."""
-        sampler = Sampler(SamplingParams(temperature=temperature, seed=seed, **sampling))
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        """Yield up to `max_new_tokens` tokens after `prompt` (text, which needs the checkpoint's
+        tokenizer, or ids): greedy at temperature 0, else sampled (`top_k`, `top_p`, `min_p`,
+        `repetition_penalty`: see moerun.sampling). Each item has `.id` and `.text` (the text it
+        completes; "" without a tokenizer). Stops after an end-of-sequence id, at a `stop` string
+        (not output), or when the context is full. Timings land in `stats()`."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("This checkpoint has no tokenizer, so the prompt must be token ids.")
+            prompt = self.tokenizer.encode(prompt)
+        tokens = self._generate_ids(
+            list(prompt), max_new_tokens, SamplingParams(temperature, seed=seed, **sampling)
+        )
+        if self.tokenizer is None:
+            yield from tokens
+            return
+        decoder, stops = StreamDecoder(self.tokenizer), StopMatcher(stop)
+        for token in tokens:
+            text, stopped = stops.push(decoder.push(token.id))
+            if token.last and not stopped:  # the generation ends: release what was held back
+                tail, stopped = stops.push(decoder.flush())
+                text += tail + ("" if stopped else stops.flush())
+            yield Token(token.id, text, last=token.last or stopped)
+            if stopped:
+                return
+
+    @torch.inference_mode()
+    def _generate_ids(
+        self, prompt: list[int], max_new_tokens: int, params: SamplingParams
+    ) -> Iterator[Token]:
+        sampler = Sampler(params)
+        ids = torch.tensor([prompt], dtype=torch.long)
         if ids.shape[1] == 0:
             raise ValueError("generate needs a prompt of at least one token.")
         self._check_ids(ids)
         total = min(ids.shape[1] + max_new_tokens, self.config.max_positions)  # prompt + new tokens
         steps = total - ids.shape[1]
+        eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else set())
         cache = self.new_cache(1, total)
+        run = self._last_run = {
+            "prompt_tokens": len(prompt),
+            "prefill_s": 0.0,
+            "new_tokens": 0,
+            "decode_s": 0.0,
+        }
+        start = time.perf_counter()
         for s in range(0, ids.shape[1], self.prefill_chunk):
             hidden = self.forward(ids[:, s : s + self.prefill_chunk], cache)
         seen = list(prompt)
         for step in range(steps):
             next_id = sampler(self._logits(hidden[0, -1]), seen)  # logits [V]
             seen.append(next_id)
-            yield Token(next_id)
-            if next_id in self.config.eos_token_ids or step == steps - 1:
+            last = next_id in eos or step == steps - 1
+            now = time.perf_counter()
+            run["prefill_s" if step == 0 else "decode_s"] += now - start
+            run["new_tokens"] += 1
+            yield Token(next_id, last=last)
+            if last:
                 return
+            start = time.perf_counter()
             hidden = self.forward(torch.tensor([[next_id]]), cache)
+
+    def stats(self) -> dict:
+        """Figures of the last generation: prompt tokens, prefill seconds (to the first new token),
+        new tokens, decode seconds (for the others), and the rates."""
+        run = dict(getattr(self, "_last_run", {}))
+        if run.get("prefill_s"):
+            run["prefill_tok_s"] = run["prompt_tokens"] / run["prefill_s"]
+        if run.get("decode_s"):
+            run["decode_tok_s"] = (run["new_tokens"] - 1) / run["decode_s"]
+        return run
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         length, V = ids.shape[-1], self.config.vocab_size

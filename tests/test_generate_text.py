@@ -1,0 +1,75 @@
+"""Text generation end to end: a tiny model saved with a real tokenizer file, against transformers'
+tokenizer and generate on the same files."""
+
+import pytest
+import torch
+from hf_models import make_model, save_model
+from tiny_tokenizers import SPM_CONFIG, byte_level_tokenizer, save_hf_dir, sentencepiece_tokenizer
+from transformers import AutoTokenizer
+
+import moerun
+
+
+@pytest.fixture(scope="module", params=["spm", "byte-level"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "spm":
+        tok = sentencepiece_tokenizer()
+        save_hf_dir(tok, path, tokenizer_class="LlamaTokenizer", **SPM_CONFIG)
+    else:
+        tok = byte_level_tokenizer("gpt2")
+        # the class named, so that transformers uses tokenizer.json as written rather than a Qwen2
+        # tokenizer rebuilt from the model's config.json
+        save_hf_dir(
+            tok,
+            path,
+            tokenizer_class="PreTrainedTokenizerFast",
+            bos_token="<|endoftext|>",
+            eos_token="<|endoftext|>",
+        )
+    hf_model = make_model("qwen3_moe", vocab_size=tok.get_vocab_size())
+    save_model(hf_model, path)
+    return path, hf_model
+
+
+def test_text_prompt_gives_transformers_tokens_and_text(checkpoint):
+    path, hf_model = checkpoint
+    hf_tokenizer = AutoTokenizer.from_pretrained(path)
+    model = moerun.load(path, dtype=torch.float32)
+    prompt = "Le café coûte 3 €, 日本語 ok"
+    tokens = list(model.generate(prompt, max_new_tokens=24))
+    ids = hf_tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = hf_model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)[
+            0, ids.shape[1] :
+        ]
+    assert [t.id for t in tokens] == expected.tolist()
+    assert "".join(t.text for t in tokens) == hf_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_stop_string_ends_generation_before_it(checkpoint):
+    path, _ = checkpoint
+    model = moerun.load(path, dtype=torch.float32)
+    full = "".join(t.text for t in model.generate("hello world", max_new_tokens=24))
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert len(stop) == 2
+    cut = "".join(t.text for t in model.generate("hello world", max_new_tokens=24, stop=[stop]))
+    assert cut == full[: full.index(stop)]
+
+
+def test_stats_after_generation(checkpoint):
+    path, _ = checkpoint
+    model = moerun.load(path, dtype=torch.float32)
+    n = len(list(model.generate([1, 2, 3, 4], max_new_tokens=5)))
+    stats = model.stats()
+    assert (stats["prompt_tokens"], stats["new_tokens"]) == (4, n)
+    assert stats["prefill_tok_s"] > 0 and stats["decode_tok_s"] > 0
+
+
+def test_text_prompt_without_a_tokenizer_is_refused(tmp_path):
+    save_model(make_model("olmoe"), tmp_path)
+    model = moerun.load(tmp_path, dtype=torch.float32)
+    assert model.tokenizer is None
+    assert all(t.text == "" for t in model.generate([1, 2], max_new_tokens=3))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        next(model.generate("hello"))

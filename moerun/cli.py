@@ -68,6 +68,18 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from moerun.commands import run_generate
+
+    return run_generate(args)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from moerun.commands import chat_command
+
+    return chat_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from moerun.bench import DTYPES, SHAPES
 
@@ -102,6 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--layers", type=int, default=4, help="with --model: decoder layers (default 4)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_bench)
+    from moerun.commands import add_model_arguments
+
+    generate = commands.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    add_model_arguments(generate)
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("--json", action="store_true", help="print one JSON record at the end instead")
+    generate.set_defaults(run=_generate)
+    chat = commands.add_parser("chat", help="a conversation with the model's own chat template")
+    add_model_arguments(chat)
+    chat.set_defaults(run=_chat)
     inspect = commands.add_parser("inspect", help="what a checkpoint holds: architecture, formats, memory")
     inspect.add_argument(
         "path", help="a HF checkpoint directory, a .gguf file, or a hub id in the local cache"
@@ -112,13 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moerun.loader import CheckpointError
-    from moerun.model.config import ConfigError
-
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (CheckpointError, ConfigError) as err:
+    except (ValueError, OSError) as err:  # bad input: files, settings, prompts (one sentence each)
         print(f"moerun {args.command}: {err}", file=sys.stderr)
         return 2
 

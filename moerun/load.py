@@ -91,11 +91,13 @@ def load(
     expert_cache_gb: float | None = None,
     prefetch_k: int | None = None,
     dequant_cache_gb: float = 0.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> MoEModel:
     """Open a checkpoint: a Hugging Face safetensors directory (or a hub id found in the local
     cache) or a GGUF file.
 
-    `expert_cache_gb` and `prefetch_k` belong to expert streaming and are not used yet."""
+    `expert_cache_gb` and `prefetch_k` belong to expert streaming and are not used yet;
+    `progress(done, total)` is told as layers are placed."""
     root = resolve_checkpoint(path)
     if backend == "auto":
         backend = "torch"
@@ -113,7 +115,15 @@ def load(
         has_tokenizer = (directory / "tokenizer.json").is_file()
         tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory)) if has_tokenizer else None
     cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None
-    model = MoEModel(model_config, tensors, dtype=dtype, device=device, backend=backend, dequant_cache=cache)
+    model = MoEModel(
+        model_config,
+        tensors,
+        dtype=dtype,
+        device=device,
+        backend=backend,
+        dequant_cache=cache,
+        progress=progress,
+    )
     model.tokenizer = tokenizer
     return model
 

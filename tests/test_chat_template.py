@@ -8,19 +8,11 @@ import datetime
 
 import pytest
 from jinja2.exceptions import TemplateError
-from tiny_tokenizers import SPM_CONFIG, byte_level_tokenizer, save_hf_dir, sentencepiece_tokenizer
+from tiny_tokenizers import CHATML, SPM_CONFIG, byte_level_tokenizer, save_hf_dir, sentencepiece_tokenizer
 from transformers import AutoTokenizer
 
 from moerun.text import ChatTemplateError, Tokenizer, render_chat
 
-CHATML = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 # Llama 2's template as its tokenizer_config.json ships it.
 LLAMA2 = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"

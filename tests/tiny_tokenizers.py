@@ -195,3 +195,14 @@ def random_ids(rng: random.Random, tokenizer: Tokenizer, n: int) -> list[int]:
         rng.choice(byte_ids) if byte_ids and rng.random() < 0.5 else rng.randrange(tokenizer.vocab_size)
         for _ in range(rng.randrange(1, n))
     ]
+
+
+# A ChatML template (the Qwen family's), with a default system message.
+CHATML = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +59,9 @@ class MoEModel:
         backend: str = "torch",
         dequant_cache: DequantCache | None = None,
         prefill_chunk: int = 512,
+        progress: Callable[[int, int], None] | None = None,
     ):
+        """`progress(done, total)` is called as layers are placed (for a loading bar)."""
         check_model_tensors(config, tensors)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.tokenizer: Tokenizer | None = None  # set by moerun.load when the checkpoint has one
@@ -76,6 +78,8 @@ class MoEModel:
         self.rotary = Rotary(config.attention.rope, config.attention.head_dim, self.device)
         self.attn_norms, self.mlp_norms, self.attentions, self.mlps = [], [], [], []
         for i in range(config.num_layers):
+            if progress:
+                progress(i, config.num_layers)
             p = f"layers.{i}."
             self.attn_norms.append(dense(p + "attn_norm.weight"))
             self.mlp_norms.append(dense(p + "mlp_norm.weight"))

@@ -105,6 +105,19 @@ def run_model_bench(
             if i:  # the first step pays one-time costs on both sides
                 decode["moerun"].append(t_ours)
                 decode["transformers"].append(t_peer)
+        log("generate: 32-token prompt, 16 new tokens (greedy), each side's own generate, interleaved")
+        prompt = ids[0, :32].tolist()
+        generate = {"moerun": [], "transformers": []}
+        for _ in range(repeats):
+            generate["moerun"].append(_timed(lambda: list(ours.generate(prompt, max_new_tokens=16))))
+            generate["transformers"].append(
+                _timed(
+                    lambda: peer.generate(
+                        ids[:, :32], max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0
+                    )
+                )
+            )
+    generate_s = {k: statistics.median(v) for k, v in generate.items()}
     prefill_s = {k: statistics.median(v) for k, v in prefill.items()}
     decode_s = {k: statistics.median(v) for k, v in decode.items()}
     spec = ours.config.moe
@@ -127,6 +140,9 @@ def run_model_bench(
         "decode_tok_s": 1 / decode_s["moerun"],
         "peer_decode_tok_s": 1 / decode_s["transformers"],
         "decode_vs_peer": decode_s["transformers"] / decode_s["moerun"],
+        "generate_tok_s": 16 / generate_s["moerun"],
+        "peer_generate_tok_s": 16 / generate_s["transformers"],
+        "generate_vs_peer": generate_s["transformers"] / generate_s["moerun"],
         "decode_bytes_per_step": bytes_per_step,
         "decode_bytes_per_s": bytes_per_step / decode_s["moerun"],
         "decode_roofline_fraction": bytes_per_step / decode_s["moerun"] / copy,
@@ -145,6 +161,8 @@ def format_model_table(r: dict) -> str:
             f"transformers {r['peer_prefill_tok_s']:8.1f} tok/s   ({r['prefill_vs_peer']:.2f}x)",
             f"  decode        moerun {r['decode_tok_s']:8.1f} tok/s   "
             f"transformers {r['peer_decode_tok_s']:8.1f} tok/s   ({r['decode_vs_peer']:.2f}x)",
+            f"  generate 32+16  moerun {r['generate_tok_s']:8.1f} tok/s   "
+            f"transformers {r['peer_generate_tok_s']:8.1f} tok/s   ({r['generate_vs_peer']:.2f}x)",
             f"  decode reads {r['decode_bytes_per_step'] / 2**20:.0f} MiB per token: "
             f"{r['decode_bytes_per_s'] / gb:.1f} GB/s "
             f"({100 * r['decode_roofline_fraction']:.0f}% of copy bandwidth)",

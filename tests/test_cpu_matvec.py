@@ -1,4 +1,5 @@
-"""The compiled CPU decode kernels against torch.mv on the gguf-exact dequantised weights."""
+"""The torch.compile'd CPU decode kernels (the fallback where numba is not installed) against torch.mv
+on the gguf-exact dequantised weights; the numba kernels are tested in test_numba_matvec.py."""
 
 import pytest
 import torch
@@ -11,7 +12,10 @@ from moerun.quant.quantize import quantize
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
-def test_fused_matvec_equals_dequantised_mv(fmt, capsys):
+def test_fused_matvec_equals_dequantised_mv(fmt, capsys, monkeypatch):
+    import moerun.quant.cpu_matvec
+
+    monkeypatch.setattr(moerun.quant.cpu_matvec, "USE_NUMBA", False)
     gen = torch.Generator().manual_seed(0)
     width = 512 if fmt.endswith("_k") else 160  # 2 super-blocks or 5 blocks per row
     weights = quantize(torch.randn(96, width, generator=gen), fmt)

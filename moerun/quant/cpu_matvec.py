@@ -1,4 +1,7 @@
-"""Fused dequantise-and-multiply matrix-vector products for CPU decode, compiled by torch.compile.
+"""Fused dequantise-and-multiply matrix-vector products for CPU decode.
+
+`fused_matvec` runs the numba kernels of moerun.quant.numba_matvec when numba is installed (an
+optional dependency) and the tensors are on the CPU; otherwise the torch.compile'd functions below.
 
 Eager torch dequantises through a dozen full-size temporaries and reads q8_0 at ~2 GB/s on 2 cores;
 the same arithmetic compiled into one loop reads ~8 GB/s (docs/PERFORMANCE.md). Each format here is
@@ -8,13 +11,15 @@ shape) compiles (seconds), says so on stderr, and is cached for the process (and
 Formats not listed fall back to the tiled eager path in moerun.experts. Measured alone on a 2048x2048
 matrix (GB/s of quantised bytes, 2 cores): q8_0 5.8, q4_0 2.7, q6_k 2.6, q4_k 2.0-2.5, mxfp4 1.8,
 q5_k 1.7 (hand-fused); q2_k 0.33, q3_k 0.09 (through moerun.quant.dequant's unpack functions,
-which inductor does not fuse well: hand-fused versions are the next step).
+which inductor does not fuse well; the numba kernels fuse these too).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -165,14 +170,42 @@ _KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "q6_k": _q6_k,
 }
 _compiled: dict[tuple[str, tuple[int, int]], Callable] = {}
+# Whether to prefer the numba kernels where numba is installed; benchmarks set it to False to
+# measure the torch.compile path.
+USE_NUMBA = True
+# Formats whose compiled kernel decoded an OLMoE-shaped layer as fast as numba's or faster (2 cores):
+# their blocks of 32 are read as fast by inductor's two OpenMP threads as by numba's.
+_COMPILED_FIRST = frozenset({"q8_0", "q4_0", "mxfp4"})
+
+
+@functools.cache
+def _numba_kernels() -> ModuleType | None:
+    """moerun.quant.numba_matvec, imported on first use (numba takes a moment to import), or None
+    where numba is not installed."""
+    try:
+        from moerun.quant import numba_matvec
+    except ImportError:
+        return None
+    return numba_matvec
+
+
+def _numba_for(fmt: QFormat) -> ModuleType | None:
+    if not USE_NUMBA or fmt.name in _COMPILED_FIRST:
+        return None
+    kernels = _numba_kernels()
+    return kernels if kernels is not None and kernels.has_numba_matvec(fmt.name) else None
 
 
 def has_fused_matvec(fmt: QFormat) -> bool:
-    return fmt.name in _KERNELS
+    """Whether `fused_matvec` takes CPU tensors of this format."""
+    return fmt.name in _KERNELS or _numba_for(fmt) is not None
 
 
 def fused_matvec(fmt: QFormat, data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """One expert's quantised rows data uint8 [out, row_bytes] times x [in] -> fp32 [out]."""
+    kernels = _numba_for(fmt)
+    if kernels is not None and data.device.type == "cpu" and x.device.type == "cpu":
+        return kernels.numba_matvec(fmt.name, data, x)
     key = (fmt.name, (data.shape[0], x.shape[0]))
     kernel = _compiled.get(key)
     if kernel is None:

@@ -57,10 +57,13 @@ def _f16_to_f32(h: torch.Tensor) -> torch.Tensor:
     """float16 [...] -> float32 [...], exactly, NaN payloads included: torch's cast turns every NaN
     into one canonical NaN, while numpy (and so the gguf package) keeps the sign and mantissa bits."""
     values = h.to(F32)
+    nan = torch.isnan(values)
+    if not nan.any():  # weights hold no NaN: skip the bit surgery below
+        return values
     # A NaN's float32 bits are its fp16 bits shifted up by 13 (the sign-extended int16 fills the
     # sign and the top exponent bits with copies of the sign), with the exponent's top 3 bits set.
     nan_bits = (h.view(torch.int16).to(torch.int32) << 13) | 0x70000000
-    return torch.where(torch.isnan(values), nan_bits, values.view(torch.int32)).view(F32)
+    return torch.where(nan, nan_bits, values.view(torch.int32)).view(F32)
 
 
 def _split_bits(x: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:

@@ -28,6 +28,12 @@ F32 = torch.float32
 # temporaries (a few times the slice) however large the tensor.
 CHUNK_ELEMENTS = 1 << 22
 
+# Whole tensors of at least this many blocks, on the CPU, go to the numba kernels
+# (moerun.quant.numba_dequant: the same bits, several times faster) where numba is installed;
+# smaller ones are not worth the threads. Tests set USE_NUMBA = False to check the torch path.
+USE_NUMBA = True
+NUMBA_MIN_BLOCKS = 64
+
 # MXFP4's E2M1 values doubled, so that they are integers (ggml's `kvalues_mxfp4`); the scale they are
 # multiplied by is then half the E8M0 scale. Code 8 (-0) is stored as 0, as ggml does.
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -294,6 +300,16 @@ FLOAT_STORAGE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloa
 # ---------------------------------------------------------------- public entry points
 
 
+@functools.cache
+def _numba_dequant():
+    """moerun.quant.numba_dequant, or None without numba (imported on first use, not with this module)."""
+    try:
+        from moerun.quant import numba_dequant
+    except ImportError:
+        return None
+    return numba_dequant
+
+
 def dequantize_bytes(fmt: QFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows of `fmt` bytes, uint8 [..., row_bytes], -> their values [..., row_elements] in `dtype`.
 
@@ -326,6 +342,14 @@ def dequantize_bytes(fmt: QFormat, data: torch.Tensor, dtype: torch.dtype = torc
 
     dequant_blocks = BLOCK_DEQUANTIZERS[fmt.name]
     blocks = data.reshape(-1, fmt.block_bytes)  # [N, block_bytes]
+    if (
+        USE_NUMBA
+        and blocks.device.type == "cpu"
+        and blocks.shape[0] >= NUMBA_MIN_BLOCKS
+        and sys.byteorder == "little"
+        and _numba_dequant() is not None
+    ):
+        return _numba_dequant().numba_dequantize(fmt, blocks).to(dtype).reshape(out_shape)
     per_chunk = max(1, CHUNK_ELEMENTS // fmt.block_size)
     if blocks.shape[0] <= per_chunk:
         return dequant_blocks(blocks).to(dtype).reshape(out_shape)

@@ -34,7 +34,7 @@ _inline = numba.njit(inline="always", fastmath=True, cache=True)
 _F16_UNIT = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 31)] + [np.inf], np.float32)
 # E8M0 byte -> half its scale, 2^(e - 128) (ggml's ggml_e8m0_to_fp32_half, as dequant.e8m0_half_scale).
 _E8M0_HALF_BITS = [(0x00200000 << e) if e < 2 else ((e - 1) << 23) for e in range(256)]
-_E8M0_HALF = np.array(_E8M0_HALF_BITS, np.uint32).view(np.float32)
+E8M0_HALF = np.array(_E8M0_HALF_BITS, np.uint32).view(np.float32)
 
 
 @_inline
@@ -115,7 +115,7 @@ def mxfp4_rows(data, x, y, r0, r1):
         acc[:] = 0
         for b in range(nb):
             o, xo = b * 17, b * 32
-            scale = _E8M0_HALF[row[o]]
+            scale = E8M0_HALF[row[o]]
             for l in range(16):
                 q = row[o + 1 + l]
                 acc[l] += scale * (_e2m1_doubled(q & 15) * x[xo + l] + _e2m1_doubled(q >> 4) * x[xo + 16 + l])
@@ -317,11 +317,13 @@ _KERNELS: dict[str, tuple[Callable, Callable[[np.ndarray], np.ndarray] | None]] 
 # can be kept off its core for milliseconds: after each parallel torch op, torch's OpenMP workers
 # spin-wait on the other core. This way the calling thread does the chunks the pool thread cannot.
 _CHUNK_BYTES = 128 * 1024
-_pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="moerun-matvec")
+thread_pool = ThreadPoolExecutor(
+    max_workers=max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="moerun-matvec"
+)
 _ready: set[str] = set()
 
 
-class _Chunks:
+class RowChunks:
     """One call's rows, split into chunks that the calling thread and pool threads take in turn."""
 
     def __init__(self, kernel: Callable, rows: np.ndarray, x: np.ndarray, y: np.ndarray, chunk: int):
@@ -372,10 +374,10 @@ def numba_matvec(fmt_name: str, data: torch.Tensor, x: torch.Tensor) -> torch.Te
     if helpers < 1 or out <= chunk:
         kernel(rows, xs, y, 0, out)
         return torch.from_numpy(y)
-    job = _Chunks(kernel, rows, xs, y, chunk)
+    job = RowChunks(kernel, rows, xs, y, chunk)
     locks = [threading.Lock() for _ in range(min(helpers, job.count - 1))]
     for busy in locks:
-        _pool.submit(job.work, busy)
+        thread_pool.submit(job.work, busy)
     job.work()
     # Wait only for chunks a pool thread has taken; one that starts later finds none left.
     for busy in locks:

@@ -2,7 +2,9 @@
 
 Backends ask for one expert's dense projections (`dense`, for prefill: dequantised once and kept in
 the optional DequantCache) or for a matrix-vector product (`matvec`, for decode: quantised weights
-are dequantised tile by tile, so a whole expert is never materialised).
+are dequantised tile by tile, so a whole expert is never materialised). With expert streaming
+(`stream`, a moerun.offload.LayerStream) an expert's projections are read from its cache slot, which
+holds the same bytes in the same dtype or format; the biases stay resident.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class ExpertWeights:
         dtype: torch.dtype,
         layer_name: str,
         cache: DequantCache | None = None,
+        stream=None,
     ):
         self.gate_up, self.down = gate_up, down
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
@@ -39,25 +42,34 @@ class ExpertWeights:
         self.layer_name = layer_name
         self.cache = cache
         self.quantised = isinstance(gate_up, QTensor) or isinstance(down, QTensor)
+        self.stream = stream  # moerun.offload.LayerStream, or None: every expert resident
+
+    def _expert(self, projection: str, e: int) -> Weight:
+        """Expert e's weights of `projection`: [out, in] dense, or a QTensor of one expert."""
+        weight = self.gate_up if projection == "gate_up" else self.down
+        if self.stream is None:
+            return weight.expert(e) if isinstance(weight, QTensor) else weight[e]
+        data = self.stream.tensors(e)[projection]
+        return QTensor(weight.format, weight.shape[1:], data) if isinstance(weight, QTensor) else data
 
     def dense(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2I, H], down [H, I]) as dense tensors in the compute dtype."""
         if not self.quantised:
-            return self.gate_up[e], self.down[e]
+            return self._expert("gate_up", e), self._expert("down", e)
         if self.cache is None:
             return self._dequantised(e)
         return self.cache.get((self.layer_name, e, self.dtype), lambda: self._dequantised(e))
 
     def _dequantised(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _expert_dense(self.gate_up, e, self.dtype), _expert_dense(self.down, e, self.dtype)
+        return _dense(self._expert("gate_up", e), self.dtype), _dense(self._expert("down", e), self.dtype)
 
     def matvec(self, projection: str, e: int, x: torch.Tensor) -> torch.Tensor:
         """W_e · x for projection "gate_up" or "down" of expert e; x [in] -> [out] in the compute dtype."""
-        weight = self.gate_up if projection == "gate_up" else self.down
+        weight = self._expert(projection, e)
         x = x.to(self.dtype)
         if not isinstance(weight, QTensor):
-            return torch.mv(weight[e], x)
-        data = weight.data[e]  # [out, row_bytes]
+            return torch.mv(weight, x)
+        data = weight.data  # [out, row_bytes]
         if x.device.type == "cpu" and has_fused_matvec(weight.format):
             return fused_matvec(weight.format, data, x).to(self.dtype)
         out_features, in_features = weight.shape[-2:]
@@ -83,7 +95,7 @@ class ExpertWeights:
         return None if bias is None else bias[e]
 
 
-def _expert_dense(weight: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
+def _dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(weight, QTensor):
-        return dequantize(weight.expert(e), dtype)
-    return weight[e].to(dtype)
+        return dequantize(weight, dtype)
+    return weight.to(dtype)

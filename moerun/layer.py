@@ -6,7 +6,8 @@ transformers' blocks produce these names, and `MoELayer.from_tensors` checks the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +83,10 @@ class MoELayer:
         backend: str | Backend = "torch",
         dtype: torch.dtype | None = None,
         dequant_cache: DequantCache | None = None,
+        stream=None,
     ):
+        """`stream` (a moerun.offload.LayerStream): the expert projections in `tensors` stay on the
+        host and each step's experts are fetched into the shared expert cache's slots."""
         self.spec = spec
         self.name = name
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -99,8 +103,10 @@ class MoELayer:
             dtype=self.dtype,
             layer_name=name,
             cache=dequant_cache,
+            stream=stream,
         )
         self.workspace = Workspace()
+        self._route_ms = 0.0
 
     @classmethod
     def from_tensors(
@@ -112,33 +118,58 @@ class MoELayer:
         device: torch.device | str | None = None,
         backend: str = "torch",
         dequant_cache: DequantCache | None = None,
+        stream=None,
     ) -> MoELayer:
         """Check every tensor against the spec (all problems in one error), then build the layer.
 
         Router tensors are kept in fp32; quantised expert projections stay quantised; the rest take
-        `dtype` (default: the dense expert weights' dtype, or fp32 when all of them are quantised)."""
+        `dtype` (default: the dense expert weights' dtype, or fp32 when all of them are quantised).
+        With a `stream` the expert projections are left where they are (the store reads them) and
+        every other tensor is copied off the checkpoint's map, so only the store touches the file."""
         check_tensors(spec, tensors, name)
         dtype = dtype or _compute_dtype(tensors)
         placed = {}
         for key, tensor in tensors.items():
+            if stream is not None and key in _EXPERT_PROJECTIONS:
+                placed[key] = tensor
+                continue
             if isinstance(tensor, QTensor) and key in _EXPERT_PROJECTIONS:
                 placed[key] = QTensor(tensor.format, tensor.shape, tensor.data.to(device).contiguous())
                 continue
             if isinstance(tensor, QTensor):  # small non-expert tensors are used dense
                 tensor = dequantize(tensor)
             target = torch.float32 if key in _ROUTER_TENSORS else dtype
-            placed[key] = tensor.detach().to(device=device, dtype=target).contiguous()
-        return cls(spec, placed, name=name, backend=backend, dtype=dtype, dequant_cache=dequant_cache)
+            out = tensor.detach().to(device=device, dtype=target).contiguous()
+            placed[key] = out.clone() if stream is not None and out.data_ptr() == tensor.data_ptr() else out
+        return cls(
+            spec, placed, name=name, backend=backend, dtype=dtype, dequant_cache=dequant_cache, stream=stream
+        )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, after_fetch: Callable[[], None] | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.spec.hidden)  # [T, H]
-        out = self.forward(x)
+        out = self.forward(x, after_fetch)
         return out.reshape(shape)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, after_fetch: Callable[[], None] | None = None) -> torch.Tensor:
+        """`after_fetch` (streaming only) runs once this step's first experts are fetched and pinned,
+        before they compute: the model starts its prefetch for the next layer there."""
+        stream = self.experts.stream
+        if stream is None:
+            return self._forward(x)
+        start, fetched = time.perf_counter(), stream.fetch_s
+        try:
+            return self._forward(x, after_fetch)
+        finally:
+            stream.end()
+            total_ms = 1e3 * (time.perf_counter() - start)
+            route_ms = self._route_ms
+            stream.cache.record(route_ms, total_ms - route_ms - 1e3 * (stream.fetch_s - fetched))
+
+    def _forward(self, x: torch.Tensor, after_fetch: Callable[[], None] | None = None) -> torch.Tensor:
         spec, t, backend = self.spec, self.tensors, self.backend
         trace = layer_trace(self.name)
+        route_start = time.perf_counter()
         with trace.stage("route", x.device):
             logits = router_logits(x, t["router.weight"], t.get("router.bias"))  # [T, E] fp32
             try:
@@ -148,9 +179,11 @@ class MoELayer:
                 raise
             weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
             trace.router_figures(logits, ids, weights, spec.num_experts)
+        self._route_ms = 1e3 * (time.perf_counter() - route_start)
         if x.shape[0] == 1:
             with trace.stage("plan", x.device):
                 plan = build_token_plan(ids, weights, self.name)
+            self._fetch(plan.experts, after_fetch)
             with trace.stage("experts", x.device):
                 rows = backend.token_rows(x[0], plan, self.experts, spec.activation)  # [k, H] fp32
             with trace.stage("combine", x.device):
@@ -158,6 +191,9 @@ class MoELayer:
         else:
             with trace.stage("plan", x.device):
                 plan = build_plan(ids, weights, spec.num_experts)
+            if self.experts.stream is not None:
+                offsets = plan.offsets.tolist()
+                self._fetch([e for e in range(spec.num_experts) if offsets[e + 1] > offsets[e]], after_fetch)
             with trace.stage("experts", x.device):
                 rows = backend.expert_rows(
                     x, plan, self.experts, spec.activation, self.workspace
@@ -169,6 +205,14 @@ class MoELayer:
                 out = out + backend.shared_expert(x, t, spec.activation)
         trace.finish(x.shape[0])
         return out.to(x.dtype)
+
+    def _fetch(self, experts, after_fetch: Callable[[], None] | None) -> None:
+        """Streaming: announce the step's experts (ascending) to the cache; the first group loads."""
+        if self.experts.stream is None:
+            return
+        self.experts.stream.begin([int(e) for e in experts])
+        if after_fetch is not None:
+            after_fetch()
 
 
 def _compute_dtype(tensors: Mapping[str, torch.Tensor | QTensor]) -> torch.dtype:

@@ -19,11 +19,14 @@ from moerun.model.config import ModelConfig
 from moerun.model.transformer import MoEModel, check_model_tensors
 from moerun.models import family
 from moerun.models.hf_checkpoint import canonical_tensors
+from moerun.offload import ExpertCache, ExpertStore, MappedFile
 from moerun.quant.cache import DequantCache
 from moerun.text.tokenizer import Tokenizer
 
 # kept in fp32 whatever the compute dtype (the MoE layer routes in fp32)
 _FP32_TENSOR = re.compile(r"\.moe\.(router\.|shared\.gate$)")
+# streamed expert projections: left as the file has them (the expert store converts on read)
+_STREAMED = re.compile(r"\.moe\.experts\.(gate_up|down)$")
 
 
 def read_hf_config(directory: Path) -> dict:
@@ -51,7 +54,7 @@ def hf_model_config(directory: Path) -> ModelConfig:
     return fam.model_config(config)
 
 
-def _hf_model(root: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict]:
+def _hf_model(root: Path, dtype: torch.dtype, streamed: bool) -> tuple[ModelConfig, dict, list[MappedFile]]:
     model_config = hf_model_config(root if root.is_dir() else root.parent)
     checkpoint = SafetensorsCheckpoint(root)
 
@@ -63,18 +66,28 @@ def _hf_model(root: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict]:
         model_config.model_type, model_config, checkpoint.names(), checkpoint.tensor, release
     )
     check_model_tensors(model_config, tensors, sources, where=str(root))
-    return model_config, converted(tensors, sources, dtype, release)
+    shards = {id(f): f for f in checkpoint._where.values()}.values()
+    files = [MappedFile(f.path, f._data) for f in shards]
+    return model_config, converted(tensors, sources, dtype, release, streamed), files
 
 
 def converted(
-    tensors: dict, sources: dict[str, str], dtype: torch.dtype, release: Callable[[str], None]
+    tensors: dict,
+    sources: dict[str, str],
+    dtype: torch.dtype,
+    release: Callable[[str], None],
+    streamed: bool = False,
 ) -> dict:
     """Dense floating tensors in their compute dtype (router tensors in fp32), converted one at a
     time and each source's mapped pages released after, so a file in another dtype is never held
-    in memory next to the whole converted model. Same-dtype tensors stay views of the file."""
+    in memory next to the whole converted model. Same-dtype tensors stay views of the file; so do
+    the expert projections when `streamed`."""
     out = {}
     for name, tensor in tensors.items():
         target = torch.float32 if _FP32_TENSOR.search(name) else dtype
+        if streamed and _STREAMED.search(name):
+            out[name] = tensor
+            continue
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != target:
             tensor = tensor.to(target)
             for source in sources.get(name, "").split(" + "):
@@ -96,8 +109,14 @@ def load(
     """Open a checkpoint: a Hugging Face safetensors directory (or a hub id found in the local
     cache) or a GGUF file.
 
-    `expert_cache_gb` and `prefetch_k` belong to expert streaming and are not used yet;
-    `progress(done, total)` is told as layers are placed."""
+    `expert_cache_gb`: keep the dense part and this many GB of expert slots on the device and stream
+    the other experts from the checkpoint (moerun.offload); too small a budget for one token's
+    experts is refused with the minimum. `prefetch_k`: with streaming, load that many of the next
+    MoE layer's predicted experts while a layer computes. `progress(done, total)` is told as layers
+    are placed."""
+    if prefetch_k and expert_cache_gb is None:
+        raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
+    streamed = expert_cache_gb is not None
     root = resolve_checkpoint(path)
     if backend == "auto":
         backend = "torch"
@@ -106,15 +125,19 @@ def load(
 
         gguf = GGUFFile(root)
         model_config, tensors = gguf_model(gguf)
+        files = [MappedFile(gguf.path, gguf._data)]
         has_tokenizer = "tokenizer.ggml.model" in gguf.metadata
         read = lambda: Tokenizer.from_gguf_metadata(gguf.metadata, source=str(root))  # noqa: E731
         tokenizer = _tokenizer(read) if has_tokenizer else None
     else:
-        model_config, tensors = _hf_model(root, dtype)
+        model_config, tensors, files = _hf_model(root, dtype, streamed)
         directory = root if root.is_dir() else root.parent
         has_tokenizer = (directory / "tokenizer.json").is_file()
         tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory)) if has_tokenizer else None
     cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None
+    expert_cache = None
+    if streamed:
+        expert_cache = _expert_cache(model_config, tensors, files, dtype, device, expert_cache_gb)
     model = MoEModel(
         model_config,
         tensors,
@@ -123,9 +146,29 @@ def load(
         backend=backend,
         dequant_cache=cache,
         progress=progress,
+        expert_cache=expert_cache,
+        prefetch_k=prefetch_k,
     )
     model.tokenizer = tokenizer
     return model
+
+
+def _expert_cache(
+    config: ModelConfig, tensors: dict, files: list[MappedFile], dtype, device, budget_gb: float
+) -> ExpertCache:
+    """The expert store over every MoE layer's projections and a cache of `budget_gb` on `device`."""
+    layers = {
+        f"layers.{i}.moe": {p: tensors[f"layers.{i}.moe.experts.{p}"] for p in ("gate_up", "down")}
+        for i, moe in enumerate(config.moe_layers)
+        if moe
+    }
+    device = torch.device(device)
+    store = ExpertStore(layers, dtype, files, pin=device.type == "cuda")
+    try:
+        return ExpertCache(store, int(budget_gb * 2**30), config.moe.top_k, device)
+    except BaseException:
+        store.close()
+        raise
 
 
 def _tokenizer(read: Callable[[], Tokenizer]) -> Tokenizer | None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,9 +20,11 @@ from moerun.model.config import ModelConfig
 from moerun.model.linear import linear
 from moerun.model.norm import rms_norm
 from moerun.model.rope import Rotary
+from moerun.offload import ExpertCache, LayerStream
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
+from moerun.routing import router_logits
 from moerun.sampling import Sampler, SamplingParams
 from moerun.text.stops import StopMatcher
 from moerun.text.tokenizer import StreamDecoder, Tokenizer
@@ -60,17 +63,25 @@ class MoEModel:
         dequant_cache: DequantCache | None = None,
         prefill_chunk: int = 512,
         progress: Callable[[int, int], None] | None = None,
+        expert_cache: ExpertCache | None = None,
+        prefetch_k: int | None = None,
     ):
-        """`progress(done, total)` is called as layers are placed (for a loading bar)."""
+        """`progress(done, total)` is called as layers are placed (for a loading bar).
+        `expert_cache`: stream the routed experts through it (moerun.offload) instead of placing them
+        all on the device; `prefetch_k`: while a MoE layer computes, start loading that many of the
+        next MoE layer's experts as predicted by its router on the current hidden state."""
         check_model_tensors(config, tensors)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.expert_cache, self.prefetch_k = expert_cache, prefetch_k or 0
         self.tokenizer: Tokenizer | None = None  # set by moerun.load when the checkpoint has one
         self.prefill_chunk = prefill_chunk
 
         def dense(name: str) -> torch.Tensor:
             t = tensors[name]
             t = dequantize(t) if isinstance(t, QTensor) else t
-            return t.to(device=self.device, dtype=dtype)
+            out = t.to(device=self.device, dtype=dtype)
+            # streaming: the dense part is resident, off the file's map (only the store reads the file)
+            return out.clone() if expert_cache is not None and out.data_ptr() == t.data_ptr() else out
 
         self.embed = dense("embed.weight")  # [V, H]
         self.lm_head = self.embed if config.tie_embeddings else dense("lm_head.weight")
@@ -98,11 +109,14 @@ class MoEModel:
                         device=self.device,
                         backend=backend,
                         dequant_cache=dequant_cache,
+                        stream=LayerStream(expert_cache, p + "moe") if expert_cache is not None else None,
                     )
                 )
             else:
                 act = config.dense_activation
                 self.mlps.append(DenseMLP(dense(p + "mlp.gate_up"), dense(p + "mlp.down"), act))
+        moe_layers = [i for i, moe in enumerate(config.moe_layers) if moe]
+        self._next_moe = {a: b for a, b in zip(moe_layers, moe_layers[1:], strict=False)}
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         if max_len > self.config.max_positions:
@@ -122,11 +136,29 @@ class MoEModel:
         positions = torch.arange(start, start + T, device=self.device)
         cos_sin = self.rotary.cos_sin(positions, self.dtype)
         x = F.embedding(ids.to(self.device), self.embed)  # [B, T, H]
+        if self.expert_cache is not None:
+            self.expert_cache.begin_step()
         for i, (attn, mlp) in enumerate(zip(self.attentions, self.mlps, strict=True)):
             x = x + attn(rms_norm(x, self.attn_norms[i], eps), cos_sin, cache.keys[i], cache.values[i], start)
-            x = x + mlp(rms_norm(x, self.mlp_norms[i], eps))
+            h = rms_norm(x, self.mlp_norms[i], eps)
+            if self.prefetch_k and self.expert_cache is not None and i in self._next_moe:
+                x = x + mlp(h, after_fetch=functools.partial(self._prefetch, self._next_moe[i], x))
+            else:
+                x = x + mlp(h)
         cache.length = start + T
+        if self.expert_cache is not None:
+            self.expert_cache.end_step()
         return rms_norm(x, self.norm, eps)
+
+    def _prefetch(self, layer: int, x: torch.Tensor) -> None:
+        """Start loading the `prefetch_k` experts MoE layer `layer`'s router ranks highest for the
+        current hidden states x [B, T, H] (by routing probability summed over tokens)."""
+        moe = self.mlps[layer]
+        h = rms_norm(x, self.mlp_norms[layer], self.config.norm_eps).reshape(-1, moe.spec.hidden)
+        logits = router_logits(h, moe.tensors["router.weight"], moe.tensors.get("router.bias"))  # [T, E]
+        mass = logits.softmax(dim=-1).sum(dim=0)  # [E]
+        top = mass.topk(min(self.prefetch_k, mass.numel())).indices.tolist()
+        self.expert_cache.prefetch([(moe.name, e) for e in top])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head).float()
@@ -217,13 +249,21 @@ class MoEModel:
 
     def stats(self) -> dict:
         """Figures of the last generation: prompt tokens, prefill seconds (to the first new token),
-        new tokens, decode seconds (for the others), and the rates."""
+        new tokens, decode seconds (for the others), and the rates; with expert streaming also
+        "offload": slots, cache bytes, and OffloadStats counters of the last step and in total."""
         run = dict(getattr(self, "_last_run", {}))
         if run.get("prefill_s"):
             run["prefill_tok_s"] = run["prompt_tokens"] / run["prefill_s"]
         if run.get("decode_s"):
             run["decode_tok_s"] = (run["new_tokens"] - 1) / run["decode_s"]
+        if self.expert_cache is not None:
+            run["offload"] = self.expert_cache.summary()
         return run
+
+    def close(self) -> None:
+        """Stop expert streaming's reader threads (waiting for reads in flight) and close its files."""
+        if self.expert_cache is not None:
+            self.expert_cache.close()
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         length, V = ids.shape[-1], self.config.vocab_size

@@ -1,0 +1,122 @@
+"""Whole models with expert streaming against the same models with every expert resident: logits
+bitwise equal (prefill and decode) for any cache that holds one token's experts, per family and
+format; the budget floor; prefetch; stats; and a checkpoint truncated under a running model."""
+
+import re
+
+import pytest
+import torch
+from gguf_from_hf import write_gguf
+from hf_models import VOCAB, make_model, save_gpt_oss_mxfp4, save_model
+
+import moerun
+from moerun.offload import CacheBudgetError, ExpertReadError
+
+CASES = {
+    "olmoe": lambda tmp: save_model(make_model("olmoe"), tmp / "olmoe"),
+    "qwen2_moe-fused-names": lambda tmp: save_model(make_model("qwen2_moe"), tmp / "qwen2", False),
+    "gpt_oss": lambda tmp: save_model(make_model("gpt_oss"), tmp / "gpt_oss"),
+    "gpt_oss-mxfp4": lambda tmp: save_gpt_oss_mxfp4(
+        make_model("gpt_oss", hidden_size=64, intermediate_size=32), tmp / "mxfp4"
+    ),
+    "olmoe-gguf-q4_k": lambda tmp: _gguf(tmp / "olmoe.gguf"),
+}
+
+
+def _gguf(path):
+    model = make_model("olmoe", hidden_size=256, intermediate_size=256, num_experts=4, num_hidden_layers=2)
+    write_gguf(model, path, "q4_k")
+    return path
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    return CASES[request.param](tmp_path_factory.mktemp(request.param))
+
+
+def _minimum_gb(path, dtype) -> tuple[float, int]:
+    """The budget floor, as the refusal of a too-small budget states it."""
+    with pytest.raises(CacheBudgetError, match="cannot hold one token's") as info:
+        moerun.load(path, dtype=dtype, expert_cache_gb=1e-9)
+    gb, nbytes = re.search(
+        r"minimum is expert_cache_gb=([\d.e+-]+) \((\d+) bytes\)", str(info.value)
+    ).groups()
+    return float(gb), int(nbytes)
+
+
+def _decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of each position fed one token at a time (the decode path), [T, V]."""
+    cache = model.new_cache(1, ids.shape[1])
+    with torch.inference_mode():
+        return torch.cat(
+            [model._logits(model.forward(ids[:, t : t + 1], cache))[0] for t in range(ids.shape[1])]
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logits_with_any_cache_size_equal_all_resident(checkpoint, dtype):
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(1))
+    resident = moerun.load(checkpoint, dtype=dtype)
+    want_prefill, want_decode = resident.logits(ids), _decode_logits(resident, ids)
+    floor_gb, floor_bytes = _minimum_gb(checkpoint, dtype)
+    k = resident.config.moe.top_k
+    slot = floor_bytes // k
+    every = slot * resident.config.moe.num_experts * sum(resident.config.moe_layers)
+    for budget in (floor_bytes, (floor_bytes + every) // 2, every):
+        model = moerun.load(checkpoint, dtype=dtype, expert_cache_gb=budget / 2**30)
+        assert model.expert_cache.num_slots == budget // slot
+        assert torch.equal(model.logits(ids), want_prefill), budget
+        assert torch.equal(_decode_logits(model, ids), want_decode), budget
+        model.expert_cache.verify()
+        model.close()
+    # the stated figure is enough, and within 0.1% of the floor
+    assert floor_bytes <= int(floor_gb * 2**30) <= 1.001 * floor_bytes
+    moerun.load(checkpoint, dtype=dtype, expert_cache_gb=floor_gb).close()
+
+
+def test_prefetch_changes_nothing_but_the_counters(checkpoint):
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(2))
+    want = _decode_logits(moerun.load(checkpoint, dtype=torch.float32), ids)
+    _, floor = _minimum_gb(checkpoint, torch.float32)
+    model = moerun.load(checkpoint, dtype=torch.float32, expert_cache_gb=2 * floor / 2**30, prefetch_k=2)
+    assert torch.equal(_decode_logits(model, ids), want)
+    total = model.stats()["offload"]["total"]
+    assert total["prefetch_issued"] > 0
+    assert total["prefetch_used"] + total["prefetch_wasted"] <= total["prefetch_issued"]
+    assert total["steps"] == 10
+    model.close()
+
+
+def test_stats_per_step_and_in_total(tmp_path):
+    path = CASES["olmoe"](tmp_path)
+    model = moerun.load(path, dtype=torch.float32, expert_cache_gb=1.0)  # holds every expert
+    tokens = list(model.generate([1, 2, 3], max_new_tokens=4))
+    stats = model.stats()["offload"]
+    total, last = stats["total"], stats["last_step"]
+    moe_layers, k = sum(model.config.moe_layers), model.config.moe.top_k
+    assert total["steps"] == len(tokens)  # prefill, then one step per new token but the last
+    assert last["hits"] + last["misses"] == moe_layers * k  # a decode step asks each layer for k
+    assert total["misses"] <= moe_layers * model.config.moe.num_experts  # never reloaded: all fit
+    assert total["bytes_read"] == total["misses"] * (stats["cache_bytes"] // stats["slots"])
+    assert total["fetch_ms"] > 0 and total["compute_ms"] > 0 and total["route_ms"] > 0
+    model.close()
+
+
+def test_prefetch_needs_a_cache(tmp_path):
+    with pytest.raises(ValueError, match="prefetch_k needs expert_cache_gb"):
+        moerun.load(CASES["olmoe"](tmp_path), prefetch_k=2)
+
+
+def test_a_checkpoint_truncated_under_a_running_model_gives_a_clear_error(tmp_path):
+    path = _gguf(tmp_path / "model.gguf")
+    _, floor = _minimum_gb(path, torch.float32)
+    model = moerun.load(path, dtype=torch.float32, expert_cache_gb=floor / 2**30)
+    assert model.expert_cache.store.file_backed("layers.0.moe")["down"]  # GGUF down: read from the file
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    model.logits(ids)
+    with open(path, "r+b") as handle:
+        handle.truncate(1024)  # every tensor's bytes gone
+    with pytest.raises(ExpertReadError, match="truncated or replaced"):
+        for _ in range(5):  # two slots for four experts: the cache must reload soon
+            model.logits(torch.randint(0, VOCAB, (1, 6)))
+    model.close()

@@ -32,6 +32,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="same seed, same text")
     parser.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
     parser.add_argument("--system", default=None, help="a system message for the chat template")
+    parser.add_argument(
+        "--expert-cache-gb",
+        type=float,
+        default=None,
+        help="stream experts through a cache of this many GB instead of holding them all",
+    )
+    parser.add_argument(
+        "--prefetch-k", type=int, default=None, help="with --expert-cache-gb: experts to prefetch"
+    )
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -58,7 +67,14 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
         err.write(f"\rloading {args.model} [{'#' * filled}{' ' * (width - filled)}] layer {done + 1}/{total}")
         err.flush()
 
-    model = moerun.load(args.model, device=args.device, dtype=DTYPES[args.dtype], progress=progress)
+    model = moerun.load(
+        args.model,
+        device=args.device,
+        dtype=DTYPES[args.dtype],
+        expert_cache_gb=getattr(args, "expert_cache_gb", None),
+        prefetch_k=getattr(args, "prefetch_k", None),
+        progress=progress,
+    )
     err.write(f"\rloaded {args.model} in {time.perf_counter() - start:.1f} s{' ' * 40}\n")
     return model
 
@@ -70,6 +86,16 @@ def summary(stats: dict) -> str:
     parts.append(f"generated {stats.get('new_tokens', 0)} tokens")
     if "decode_tok_s" in stats:
         parts[-1] += f" ({stats['decode_tok_s']:.1f} tok/s decode)"
+    if offload := stats.get("offload"):
+        t = offload["total"]
+        requests = t["hits"] + t["misses"]
+        parts.append(
+            f"experts: {offload['slots']} slots ({offload['cache_bytes'] / 2**30:.2f} GiB), "
+            f"hit rate {t['hits'] / max(requests, 1):.0%} ({t['misses']} misses, "
+            f"{t['bytes_read'] / 2**20:.0f} MiB read), route {t['route_ms']:.0f} ms, "
+            f"fetch {t['fetch_ms']:.0f} ms, compute {t['compute_ms']:.0f} ms, "
+            f"prefetch {t['prefetch_used']}/{t['prefetch_issued']} used"
+        )
     return ", ".join(parts)
 
 

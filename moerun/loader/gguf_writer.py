@@ -123,4 +123,3 @@ class GGUFWriter:
         finally:
             temporary.unlink(missing_ok=True)
         return path
-

@@ -90,6 +90,13 @@ def gguf_archs() -> dict[str, str]:
     return {arch: name for name in FAMILIES if (arch := getattr(family(name), "GGUF_ARCH", None))}
 
 
+def gguf_name_tables(arch: str) -> tuple[dict[str, str], dict[str, str], dict[str, tuple[str, str]]]:
+    """The name tables this reader maps by, for writers (moerun.export): GGUF top-level name ->
+    canonical name, name inside blk.{i} -> canonical name inside layers.{i} (for `arch`), and canonical
+    gate/up name -> its (gate, up) GGUF parts. Copies; the reader's own stay as they are."""
+    return dict(_TOP), dict(_GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER), dict(_GATE_UP)
+
+
 def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     """The model a GGUF file describes, from its metadata and tensor names (no weight is read)."""
     arch = gguf.metadata.get("general.architecture")

@@ -1,0 +1,438 @@
+"""A Hugging Face checkpoint -> a GGUF file with quantised experts (`moerun quantize`): the inverse of
+`moerun.models.gguf_checkpoint`, with its name tables, and what llama.cpp's convert_hf_to_gguf.py
+writes for the arch: its metadata keys, q and k rows permuted for `llama` (LlamaModel.permute), gate
+and up experts stored apart ([E, I, H] each; GPT-OSS's interleaved rows split into even and odd), the
+Qwen2-MoE shared-expert gate stored [H], GPT-OSS's MLP norm named post_attention_norm.
+
+Formats, as llama.cpp keeps them: expert projections in `spec.experts` (down in `spec.down`); 1-D
+tensors, biases and the router (ffn_gate_inp) in f32; the other 2-D weights in `spec.rest`. Rows that
+are not whole blocks of a format fall back to q8_0 (rows of 32s) or else f16, as llama-quantize
+falls back, and the fallback is said on the log. GPT-OSS's MXFP4 experts become GGUF MXFP4 without
+loss. Before any weight is read, the metadata is read back as `gguf_checkpoint` reads it, and a model
+that the file would describe differently (a sliding window the arch lacks, another routing rule) is
+refused.
+
+Memory: experts are quantised one at a time, other tensors a slice of rows at a time, and source pages
+are given back once converted; but every converted tensor is held until the file is written at the
+end (`GGUFWriter` takes them all): the peak is about the output file's size, plus one layer's experts
+in the source dtype (stacked by `canonical_tensors` for per-expert checkpoints), plus a copy of the
+largest tensor as it is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from moerun.export.gguf_vocab_export import VocabError, vocab_metadata
+from moerun.load import hf_model_config, read_hf_config
+from moerun.loader import CheckpointError, SafetensorsCheckpoint, resolve_checkpoint
+from moerun.loader.gguf_writer import GGUFWriter
+from moerun.model.config import ModelConfig
+from moerun.model.transformer import check_model_tensors
+from moerun.models import FAMILIES, family
+from moerun.models.gguf_checkpoint import gguf_model_config, gguf_name_tables
+from moerun.models.hf_checkpoint import canonical_tensors
+from moerun.quant.dequant import dequantize, gpt_oss_layout_to_mxfp4
+from moerun.quant.formats import FLOAT_DTYPES, FORMATS, FormatError, QFormat, QTensor, get_format
+from moerun.quant.quantize import quantize_rows
+
+Tensor = torch.Tensor | QTensor
+
+EXPERT_FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "mxfp4", "f16", "bf16", "f32")
+REST_FORMATS = ("f16", "bf16", "f32", "q8_0")
+# general.file_type (llama.cpp's llama_ftype) by expert format: the "mostly" type of the bulk
+FILE_TYPES = {
+    "f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q2_k": 10, "q3_k": 11, "q4_k": 14, "q5_k": 16,
+    "q6_k": 18, "bf16": 32, "mxfp4": 38,
+}  # fmt: skip
+QUANTIZATION_VERSION = 2  # general.quantization_version of ggml's current block layouts
+_EXPERT_PROJECTION = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
+_CHECKPOINT_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")  # as moerun.models.hf_checkpoint
+_CHUNK_ELEMENTS = 1 << 22  # rows are converted a slice of about this many elements at a time
+_NOT_COMPARED = frozenset({"bos_token_id", "eos_token_ids"})  # those come from the tokenizer keys
+
+
+class ExportError(ValueError):
+    """A conversion moerun refuses; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class QuantizeSpec:
+    """Formats: `experts` for the expert projections (gate and up; down too unless `down` is given),
+    `rest` for the other 2-D weights."""
+
+    experts: str
+    down: str | None = None
+    rest: str = "f16"
+
+    def __post_init__(self):
+        for option, fmt, known in (
+            ("--experts", self.experts, EXPERT_FORMATS),
+            ("--down", self.down or self.experts, EXPERT_FORMATS),
+            ("--rest", self.rest, REST_FORMATS),
+        ):
+            if fmt not in known:
+                raise ExportError(
+                    f"{option} {fmt!r} is not a format moerun writes; use one of {', '.join(known)}."
+                )
+
+    @property
+    def down_format(self) -> str:
+        return self.down or self.experts
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def quantize_checkpoint(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    spec: QuantizeSpec,
+    force: bool = False,
+    log: Callable[[str], None] = _stderr,
+) -> Path:
+    """Write the checkpoint `src` (a directory, or a hub id in the local cache) to the GGUF file `out`
+    with its experts in `spec`'s formats; an existing `out` is replaced only with `force`."""
+    out = Path(out)
+    _check_target(out, force)
+    root = resolve_checkpoint(src)
+    if not root.is_dir():
+        raise ExportError(
+            f"{root}: quantize reads a Hugging Face checkpoint directory (config.json, safetensors)."
+        )
+    model_type = read_hf_config(root)["model_type"]
+    arch = getattr(family(model_type), "GGUF_ARCH", None) if model_type in FAMILIES else None
+    if arch is None:
+        writable = [name for name in FAMILIES if hasattr(family(name), "GGUF_ARCH")]
+        raise ExportError(
+            f"{root}: moerun cannot write {model_type} models as GGUF; it writes {', '.join(writable)}."
+        )
+    config = hf_model_config(root)
+    _check_not_source(out, root)
+    checkpoint = SafetensorsCheckpoint(root)
+    names = _gguf_layout_names(config, arch, checkpoint, root)
+    metadata = model_metadata(config, arch, Path(os.fspath(src)).name or root.resolve().name, spec)
+    _check_same_model(config, arch, metadata, names, root)
+    metadata.update(_vocab(root, config.vocab_size, log))
+
+    writer = GGUFWriter()
+    for key, value in metadata.items():
+        writer.add(key, value)
+    convert = _Converter(spec, log)
+    groups = _layer_groups(checkpoint.names())
+    started = time.perf_counter()
+    for layer, group in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        tensors, sources = canonical_tensors(
+            config.model_type, config, group, checkpoint.tensor, checkpoint.release
+        )
+        for canonical, tensor in tensors.items():
+            for name, part in gguf_layout(arch, canonical, tensor, config):
+                writer.add_tensor(name, convert(name, part))
+            # its pages have been read; a tensor kept as a view of them reads them again when written
+            for source in sources.get(canonical, "").split(" + "):
+                if source in checkpoint:
+                    checkpoint.release(source)
+        if layer is not None:
+            elapsed = time.perf_counter() - started
+            left = elapsed / (layer + 1) * (config.num_layers - layer - 1)
+            log(
+                f"layer {layer + 1}/{config.num_layers}: {config.moe.num_experts} experts -> gate/up "
+                f"{spec.experts}, down {spec.down_format} ({elapsed:.0f} s so far, about {left:.0f} s left)"
+            )
+    log(f"writing {out}")
+    return writer.write(out, force=force)
+
+
+def _check_target(out: Path, force: bool) -> None:
+    if out.suffix != ".gguf":
+        raise ExportError(f"{out}: the output file's name must end in .gguf (moerun tells GGUF files by it).")
+    if out.is_dir():
+        raise ExportError(f"{out} is a directory; give the path of the .gguf file to write.")
+    if out.exists() and not force:
+        raise ExportError(f"{out} exists; pass --force to replace it.")
+    if not out.parent.is_dir():
+        raise ExportError(f"{out.parent}: no such directory to write {out.name} into.")
+
+
+def _check_not_source(out: Path, root: Path) -> None:
+    """Never replace a file of the checkpoint (a hub snapshot's files are links to its blobs)."""
+    if out.exists() and out.resolve() in {p.resolve() for p in root.rglob("*") if p.is_file()}:
+        raise ExportError(f"{out} is a file of the checkpoint {root}; write the GGUF file elsewhere.")
+
+
+def _layer_groups(names: list[str]) -> dict[int | None, list[str]]:
+    """Checkpoint names by decoder layer (None: embedding, final norm, output)."""
+    groups: dict[int | None, list[str]] = defaultdict(list)
+    for name in names:
+        m = _CHECKPOINT_LAYER.match(name)
+        groups[int(m.group(1)) if m else None].append(name)
+    return groups
+
+
+def _gguf_layout_names(
+    config: ModelConfig, arch: str, checkpoint: SafetensorsCheckpoint, root: Path
+) -> dict[str, tuple[int, ...]]:
+    """The GGUF tensor names and shapes the checkpoint becomes, found with meta tensors (nothing is
+    read), after checking that the checkpoint's tensors fit its config."""
+    with torch.device("meta"):
+        tensors, sources = canonical_tensors(
+            config.model_type,
+            config,
+            checkpoint.names(),
+            lambda name: torch.empty(checkpoint.shape(name), dtype=checkpoint.dtype(name)),
+        )
+        check_model_tensors(config, tensors, sources, where=str(root))
+        return {
+            name: tuple(part.shape)
+            for canonical, tensor in tensors.items()
+            for name, part in gguf_layout(arch, canonical, tensor, config)
+        }
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def model_metadata(config: ModelConfig, arch: str, name: str, spec: QuantizeSpec) -> dict[str, object]:
+    """The `general.*` and `{arch}.*` keys llama.cpp reads for this model (convert_hf_to_gguf.py's
+    TextModel.set_gguf_parameters and each model class's additions)."""
+    attention, moe, rope = config.attention, config.moe, config.attention.rope
+    expert_ff = moe.intermediate
+    # llama and olmoe read the experts' size from feed_forward_length; the Qwen archs their dense MLPs'
+    dense_ff = (config.dense_intermediate or expert_ff) if arch.startswith("qwen") else expert_ff
+    keys: dict[str, object] = {
+        "block_count": config.num_layers,
+        "context_length": config.max_positions,
+        "embedding_length": config.hidden,
+        "feed_forward_length": dense_ff,
+        "attention.head_count": attention.heads,
+        "attention.head_count_kv": attention.kv_heads,
+        "attention.key_length": attention.head_dim,
+        "attention.value_length": attention.head_dim,
+        "attention.layer_norm_rms_epsilon": float(config.norm_eps),
+        "rope.freq_base": float(rope.theta),
+        "expert_count": moe.num_experts,
+        "expert_used_count": moe.top_k,
+    }
+    if rope.kind not in ("default", "linear", "yarn"):
+        raise ExportError(f"RoPE scaling {rope.kind!r} has no GGUF form moerun writes (linear and yarn do).")
+    if rope.kind != "default":
+        keys["rope.scaling.type"] = rope.kind
+        keys["rope.scaling.factor"] = float(rope.factor)
+    if rope.kind == "yarn":
+        keys["rope.scaling.original_context_length"] = rope.original_max_positions or config.max_positions
+        keys["rope.scaling.yarn_beta_fast"] = float(rope.beta_fast)
+        keys["rope.scaling.yarn_beta_slow"] = float(rope.beta_slow)
+    if arch == "llama":
+        keys["vocab_size"] = config.vocab_size
+        keys["rope.dimension_count"] = attention.head_dim
+    if arch in ("qwen2moe", "qwen3moe", "gpt-oss"):
+        keys["expert_feed_forward_length"] = expert_ff
+    if arch == "qwen2moe":
+        keys["expert_shared_feed_forward_length"] = moe.shared_intermediate
+    if arch == "olmoe" and attention.clip_qkv is not None:
+        keys["attention.clamp_kqv"] = float(attention.clip_qkv)  # moerun's addition; the converter drops it
+    if arch == "gpt-oss":
+        keys["attention.sliding_window"] = next((w for w in config.sliding_windows if w), 0)
+    return {
+        "general.architecture": arch,
+        "general.name": name,
+        "general.file_type": FILE_TYPES[spec.experts],
+        "general.quantization_version": QUANTIZATION_VERSION,
+        **{f"{arch}.{key}": value for key, value in keys.items()},
+    }
+
+
+@dataclass
+class _PlannedFile:
+    """What `gguf_model_config` reads of a GGUF file, before the file exists."""
+
+    path: Path
+    metadata: dict
+    shapes: dict[str, tuple[int, ...]]
+
+    def tensor_names(self) -> list[str]:
+        return list(self.shapes)
+
+    def info(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(shape=self.shapes[name])
+
+
+def _check_same_model(
+    config: ModelConfig, arch: str, metadata: dict, shapes: dict[str, tuple[int, ...]], root: Path
+) -> None:
+    """Refuse a model that the file would describe differently, as moerun and llama.cpp read it."""
+    if not all(config.moe_layers):
+        dense = [i for i, moe in enumerate(config.moe_layers) if not moe]
+        raise ExportError(
+            f"{root}: layers {dense} have a dense MLP, but llama.cpp's {arch} has experts in every layer."
+        )
+    try:
+        read_back = gguf_model_config(_PlannedFile(root, metadata, shapes))
+    except CheckpointError as err:
+        raise ExportError(f"{root}: the GGUF file would not load: {err}") from None
+    differences = _differences(config, read_back)
+    if differences:
+        raise ExportError(
+            f"{root}: a {arch} GGUF file cannot hold this {config.model_type} model as it is: "
+            f"{'; '.join(differences)} (llama.cpp's {arch} fixes these)."
+        )
+
+
+def _differences(ours, theirs, path: str = "") -> list[str]:
+    if dataclasses.is_dataclass(ours) and type(ours) is type(theirs):
+        found = []
+        for field in dataclasses.fields(ours):
+            if not path and field.name in _NOT_COMPARED:
+                continue
+            where = f"{path}.{field.name}" if path else field.name
+            found += _differences(getattr(ours, field.name), getattr(theirs, field.name), where)
+        return found
+    return [] if ours == theirs else [f"{path} is {ours!r} here but would be {theirs!r}"]
+
+
+def _vocab(root: Path, vocab_size: int, log: Callable[[str], None]) -> dict[str, object]:
+    if not (root / "tokenizer.json").is_file():
+        log(f"{root} has no tokenizer.json: the GGUF file gets no tokenizer (no tokenizer.* keys).")
+        return {}
+    try:
+        return vocab_metadata(root, vocab_size)
+    except VocabError as err:
+        log(f"{root}/tokenizer.json cannot be a GGUF vocabulary: {err} The file gets no tokenizer.")
+        return {}
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def gguf_layout(arch: str, canonical: str, tensor: Tensor, config: ModelConfig) -> list[tuple[str, Tensor]]:
+    """One canonical tensor -> its GGUF tensor(s), named and laid out as llama.cpp's converter does."""
+    top, layer_table, gate_up = gguf_name_tables(arch)
+    top_names = {c: g for g, c in top.items()}
+    if canonical in top_names:
+        return [(top_names[canonical], tensor)]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", canonical)
+    if m is None:
+        raise ExportError(f"{canonical}: no GGUF name for this tensor.")
+    prefix, rel = f"blk.{m.group(1)}.", m.group(2)
+    if rel in gate_up:
+        interleaved = arch == "gpt-oss" and rel.startswith("moe.experts")
+        dim = -1 if rel.endswith("_bias") else -2
+        parts = _split_gate_up(tensor, dim, interleaved)
+        return [(prefix + name, part) for name, part in zip(gate_up[rel], parts, strict=True)]
+    names = {c: g for g, c in layer_table.items()}
+    if rel not in names:
+        raise ExportError(f"{canonical}: no GGUF name for this tensor in a {arch} file.")
+    if rel == "moe.shared.gate":
+        tensor = tensor.reshape(-1)  # llama.cpp's shape: [H]
+    if arch == "llama" and rel.startswith(("attn.q.", "attn.k.")):
+        attention = config.attention
+        tensor = llama_permute(tensor, attention.heads if rel.startswith("attn.q.") else attention.kv_heads)
+    return [(prefix + names[rel], tensor)]
+
+
+def _split_gate_up(t: Tensor, dim: int, interleaved: bool) -> tuple[Tensor, Tensor]:
+    """[.., 2I, in] (or biases [.., 2I]) -> gate and up: the two halves, or (interleaved) even and
+    odd rows. Quantised tensors are split by whole rows of bytes."""
+    if isinstance(t, QTensor):
+        gate, up = _split_gate_up(t.data, -2, interleaved)
+        shape = (*t.shape[:-2], t.shape[-2] // 2, t.shape[-1])
+        return QTensor(t.format, shape, gate.contiguous()), QTensor(t.format, shape, up.contiguous())
+    if interleaved:
+        return t.unflatten(dim, (-1, 2)).unbind(dim)
+    return t.chunk(2, dim=dim)
+
+
+def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows in ggml's interleaved RoPE order."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class _Converter:
+    """GGUF-named tensors -> what the file stores (see the module docstring for the formats)."""
+
+    def __init__(self, spec: QuantizeSpec, log: Callable[[str], None]):
+        self.spec, self.log = spec, log
+        self._said: set[str] = set()
+
+    def __call__(self, name: str, tensor: Tensor) -> Tensor:
+        expert = _EXPERT_PROJECTION.fullmatch(name)
+        if expert:
+            fmt = self.spec.down_format if expert.group(1) == "down" else self.spec.experts
+        elif len(tensor.shape) <= 1 or not name.endswith(".weight") or name.endswith("ffn_gate_inp.weight"):
+            return tensor.to(torch.float32).contiguous()
+        else:
+            fmt = self.spec.rest
+        fmt = self._fitting(name, fmt, tensor.shape[-1])
+        if expert:
+            return self._experts(name, tensor, fmt)
+        return self._rows(name, tensor, fmt)
+
+    def _fitting(self, name: str, fmt: str, row: int) -> str:
+        """`fmt`, or q8_0 / f16 where rows of `row` elements are not whole blocks of it."""
+        if row % FORMATS[fmt].block_size == 0:
+            return fmt
+        fallback = "q8_0" if row % 32 == 0 else "f16"
+        what = re.sub(r"^blk\.\d+\.", "", name)  # one message for all layers
+        if what not in self._said:
+            self._said.add(what)
+            block = FORMATS[fmt].block_size
+            self.log(
+                f"{what}: rows of {row} are not whole {fmt} blocks of {block}; storing them as {fallback}."
+            )
+        return fallback
+
+    def _experts(self, name: str, t: Tensor, fmt: str) -> QTensor:
+        """[E, out, in] quantised one expert at a time; GPT-OSS's MXFP4 is moved, not requantised."""
+        if isinstance(t, QTensor):
+            if t.format.name == fmt:
+                return t
+            if t.format.name == "mxfp4_gpt_oss" and fmt == "mxfp4":
+                return QTensor(get_format("mxfp4"), t.shape, gpt_oss_layout_to_mxfp4(t.data))
+            if "requantise" not in self._said:
+                self._said.add("requantise")
+                self.log(
+                    f"requantising the MXFP4 experts to {fmt} (lossy; --experts mxfp4 keeps them exactly)."
+                )
+        target = get_format(fmt)
+        if not isinstance(t, QTensor) and target.is_float and t.dtype == FLOAT_DTYPES[fmt]:
+            return t
+        experts, rows, cols = t.shape
+        out = torch.empty((experts, rows, target.row_bytes(cols)), dtype=torch.uint8)
+        for e in range(experts):
+            x = dequantize(t.expert(e)) if isinstance(t, QTensor) else t[e]
+            out[e] = self._row_bytes(f"{name} (expert {e})", x, target)
+        return QTensor(target, tuple(t.shape), out)
+
+    def _rows(self, name: str, x: torch.Tensor, fmt: str) -> Tensor:
+        """A 2-D weight in `fmt`; a float tensor already in `fmt` is kept as it is."""
+        target = get_format(fmt)
+        if target.is_float and x.dtype == FLOAT_DTYPES[fmt]:
+            return x
+        return QTensor(target, tuple(x.shape), self._row_bytes(name, x, target))
+
+    @staticmethod
+    def _row_bytes(name: str, x: torch.Tensor, target: QFormat) -> torch.Tensor:
+        """[.., in] float -> uint8 [.., row_bytes] of `target`, a slice of rows at a time, so that no
+        whole-tensor temporary (an fp32 copy, finiteness masks) is made."""
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty((rows.shape[0], target.row_bytes(x.shape[-1])), dtype=torch.uint8)
+        step = max(1, _CHUNK_ELEMENTS // x.shape[-1])
+        try:
+            for start in range(0, rows.shape[0], step):
+                out[start : start + step] = quantize_rows(target, rows[start : start + step].float())
+        except FormatError as err:
+            hint = " (--rest bf16 or f32 keeps it)" if target.name == "f16" else ""
+            raise ExportError(f"{name}: {err}{hint}") from None
+        return out.reshape(*x.shape[:-1], -1)

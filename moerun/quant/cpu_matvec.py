@@ -173,9 +173,11 @@ _compiled: dict[tuple[str, tuple[int, int]], Callable] = {}
 # Whether to prefer the numba kernels where numba is installed; benchmarks set it to False to
 # measure the torch.compile path.
 USE_NUMBA = True
-# Formats whose compiled kernel decoded an OLMoE-shaped layer as fast as numba's or faster (2 cores):
-# their blocks of 32 are read as fast by inductor's two OpenMP threads as by numba's.
-_COMPILED_FIRST = frozenset({"q8_0", "q4_0", "mxfp4"})
+# Formats whose compiled kernel decoded an OLMoE-shaped layer as fast as numba's or faster (2 cores,
+# same process, alternating): q8_0, q4_0 and mxfp4, whose blocks of 32 inductor's two OpenMP threads
+# read as fast; q6_k, 45-52 tok/s compiled vs 16 with numba. numba wins on q4_k (71-86 vs 55-57),
+# q5_k (62-67 vs 37-41), q2_k and q3_k (6-9x).
+_COMPILED_FIRST = frozenset({"q8_0", "q4_0", "mxfp4", "q6_k"})
 
 
 @functools.cache

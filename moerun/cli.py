@@ -14,11 +14,21 @@ def _bench(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"... {message}", file=sys.stderr, flush=True)
 
+    if args.model and args.offload:
+        raise SystemExit("moerun bench: give --model or --offload, not both.")
+    if args.offload:
+        from moerun.bench_offload import format_offload_table, run_offload_bench
+
+        results = run_offload_bench(
+            layers=args.layers or 2, dtype=args.dtype, decode_steps=args.decode_steps, log=log
+        )
+        print(json.dumps(results) if args.json else format_offload_table(results))
+        return 0
     if args.model:
         from moerun.bench_model import format_model_table, run_model_bench
 
         results = run_model_bench(
-            layers=args.layers,
+            layers=args.layers or 4,
             dtype=args.dtype,
             prompt_tokens=args.prefill_tokens,
             decode_steps=args.decode_steps,
@@ -131,7 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a whole generated OLMoE-shaped model against transformers' model (needs transformers)",
     )
-    bench.add_argument("--layers", type=int, default=4, help="with --model: decoder layers (default 4)")
+    bench.add_argument(
+        "--offload",
+        action="store_true",
+        help="expert streaming on a generated OLMoE-shaped checkpoint: cache sizes, prefetch, resident",
+    )
+    bench.add_argument(
+        "--layers", type=int, help="with --model: decoder layers (default 4); with --offload: default 2"
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_bench)
     from moerun.commands import add_model_arguments

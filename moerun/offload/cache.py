@@ -181,7 +181,9 @@ class ExpertCache:
             if slot is None:
                 break
             pool.prefetched.add(slot)
-            pool.policy.touch(slot)
+            # not touched: a prediction sits at the evict-first end until it is requested, so a
+            # wrong guess displaces no more than the one least recently used expert
+            pool.policy.forget(slot)
             self._load(pool, slot, key)
             issued += 1
         self.stats.prefetch_issued += issued

@@ -17,7 +17,6 @@ call per format compiles (seconds) and says so on stderr; numba caches the machi
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 from moerun.quant.formats import QFormat
-from moerun.quant.numba_matvec import E8M0_HALF, RowChunks, thread_pool
+from moerun.quant.numba_matvec import E8M0_HALF, run_in_chunks
 
 # No fastmath: every float operation stays as written, in float32, in order.
 _jit = numba.njit(nogil=True, cache=True)
@@ -258,18 +257,5 @@ def numba_dequantize(fmt: QFormat, blocks: torch.Tensor) -> torch.Tensor:
                 )
                 kernel(data, table, out, 0, 0)  # compile (or load) here, on one thread
                 _ready.add(fmt_name)
-    chunk = max(1, _CHUNK_BYTES // block_bytes)
-    helpers = min(torch.get_num_threads(), os.cpu_count() or 1) - 1
-    if helpers < 1 or n_blocks <= chunk:
-        kernel(data, table, out, 0, n_blocks)
-        return torch.from_numpy(out)
-    job = RowChunks(kernel, data, table, out, chunk)
-    locks = [threading.Lock() for _ in range(min(helpers, job.count - 1))]
-    for busy in locks:
-        thread_pool.submit(job.work, busy)
-    job.work()
-    # Wait only for chunks a pool thread has taken; one that starts later finds none left.
-    for busy in locks:
-        with busy:
-            pass
+    run_in_chunks(kernel, data, table, out, chunk=max(1, _CHUNK_BYTES // block_bytes))
     return torch.from_numpy(out)

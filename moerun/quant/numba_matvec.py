@@ -347,6 +347,24 @@ class RowChunks:
                     busy.release()
 
 
+def run_in_chunks(kernel: Callable, rows: np.ndarray, x: np.ndarray, y: np.ndarray, chunk: int) -> None:
+    """kernel(rows, x, y, start, end) over all rows, in chunks of `chunk` rows that this thread and
+    the pool threads take in turn (one thread alone when torch is set to one, or for one chunk)."""
+    helpers = min(torch.get_num_threads(), os.cpu_count() or 1) - 1
+    if helpers < 1 or rows.shape[0] <= chunk:
+        kernel(rows, x, y, 0, rows.shape[0])
+        return
+    job = RowChunks(kernel, rows, x, y, chunk)
+    locks = [threading.Lock() for _ in range(min(helpers, job.count - 1))]
+    for busy in locks:
+        thread_pool.submit(job.work, busy)
+    job.work()
+    # Wait only for chunks a pool thread has taken; one that starts later finds none left.
+    for busy in locks:
+        with busy:
+            pass
+
+
 def has_numba_matvec(fmt_name: str) -> bool:
     return fmt_name in _KERNELS
 
@@ -369,18 +387,5 @@ def numba_matvec(fmt_name: str, data: torch.Tensor, x: torch.Tensor) -> torch.Te
         )
         kernel(rows, xs, y, 0, 0)  # compile (or load) here, on one thread
         _ready.add(fmt_name)
-    chunk = max(1, _CHUNK_BYTES // max(1, rows.shape[1]))
-    helpers = min(torch.get_num_threads(), os.cpu_count() or 1) - 1
-    if helpers < 1 or out <= chunk:
-        kernel(rows, xs, y, 0, out)
-        return torch.from_numpy(y)
-    job = RowChunks(kernel, rows, xs, y, chunk)
-    locks = [threading.Lock() for _ in range(min(helpers, job.count - 1))]
-    for busy in locks:
-        thread_pool.submit(job.work, busy)
-    job.work()
-    # Wait only for chunks a pool thread has taken; one that starts later finds none left.
-    for busy in locks:
-        with busy:
-            pass
+    run_in_chunks(kernel, rows, xs, y, chunk=max(1, _CHUNK_BYTES // max(1, rows.shape[1])))
     return torch.from_numpy(y)

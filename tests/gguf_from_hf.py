@@ -246,3 +246,22 @@ def write_unknown_arch(path: Path, arch: str = "mamba") -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Configs llama.cpp's archs can express: no sliding window outside gpt-oss, MoE in every Qwen layer,
+# gpt-oss's fixed SwiGLU limit. (qwen3_moe keeps hf_models' YaRN, which GGUF metadata carries.)
+GGUF_OVERRIDES = {
+    "mixtral": dict(sliding_window=None),
+    "qwen2_moe": dict(mlp_only_layers=[], use_sliding_window=False),
+    "qwen3_moe": {},
+    "olmoe": {},
+    "gpt_oss": dict(swiglu_limit=7.0),
+}
+# k-quants need rows of 256: hidden and expert intermediate 256, kept to 2 layers and 4 experts.
+QUANT_SIZES = {
+    "mixtral": dict(intermediate_size=256, num_local_experts=4),
+    "qwen2_moe": dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=256, num_experts=4),
+    "gpt_oss": dict(intermediate_size=256, num_local_experts=4),
+}

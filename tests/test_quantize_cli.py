@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import rel_err
-from gguf_from_hf import write_gguf
+from gguf_from_hf import GGUF_OVERRIDES, QUANT_SIZES, write_gguf
 from hf_models import (
     hf_greedy,
     hf_logits,
@@ -40,23 +40,7 @@ from moerun.settings import settings
 from moerun.text import Tokenizer
 
 VOCAB = 544  # more rows than any tiny tokenizer has ids: the rest are written as [PAD{id}] tokens
-# Configs llama.cpp's archs can express: no sliding window outside gpt-oss, MoE in every Qwen layer,
-# gpt-oss's fixed SwiGLU limit (hf_models' defaults use all three)...
-GGUF_OVERRIDES = {
-    "mixtral": dict(sliding_window=None),
-    "qwen2_moe": dict(mlp_only_layers=[], use_sliding_window=False),
-    "qwen3_moe": {},
-    "olmoe": {},
-    "gpt_oss": dict(swiglu_limit=7.0),
-}
-# ... with k-quant-sized rows (hidden and expert intermediate 256), 2 layers and 4 experts.
-SIZES = {
-    "mixtral": dict(intermediate_size=256, num_local_experts=4),
-    "qwen2_moe": dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2),
-    "olmoe": dict(intermediate_size=256, num_experts=4),
-    "gpt_oss": dict(intermediate_size=256, num_local_experts=4),
-}
+SIZES = QUANT_SIZES  # k-quant-sized rows (hidden and expert intermediate 256), 2 layers, 4 experts
 TOKENIZERS = {
     "mixtral": "spm",
     "qwen2_moe": "qwen2",

@@ -28,21 +28,13 @@ import numpy as np
 import torch
 
 from moerun.bench import DTYPES, copy_bandwidth
+from moerun.bench_model import OLMOE as OLMOE_SHAPES
 from moerun.load import load
 from moerun.model.transformer import MoEModel
 from moerun.offload import minimum_bytes
 
 # OLMoE-1B-7B's layer shapes with a small vocabulary: 2 layers are about 1.6 GB in bf16
-OLMOE = dict(
-    vocab_size=8192,
-    hidden_size=2048,
-    intermediate_size=1024,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    num_experts=64,
-    num_experts_per_tok=8,
-    max_position_embeddings=4096,
-)
+OLMOE = {**OLMOE_SHAPES, "vocab_size": 8192}
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 _SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 

@@ -24,6 +24,17 @@ COMMON = dict(
     pad_token_id=None,
 )
 
+# A tiny OLMoE-shaped model for the whole-model benchmarks' tests (OlmoeConfig keys).
+TINY_OLMOE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+
 # model_type -> (config class, model class, config overrides)
 FAMILIES = {
     "mixtral": (

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from hf_models import TINY_OLMOE
 from safetensors.torch import load_file
 
 from moerun.bench_offload import (
@@ -16,29 +17,20 @@ from moerun.bench_offload import (
 )
 from moerun.load import load
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    num_experts=8,
-    num_experts_per_tok=2,
-)
 LAYERS, STEPS = 2, 6
 
 
 @pytest.fixture(scope="module")
 def result():
     return run_offload_bench(
-        layers=LAYERS, dtype="fp32", prompt_tokens=16, decode_steps=STEPS, warmup_steps=2, shape=TINY
+        layers=LAYERS, dtype="fp32", prompt_tokens=16, decode_steps=STEPS, warmup_steps=2, shape=TINY_OLMOE
     )
 
 
 def test_the_checkpoint_is_what_the_safetensors_package_reads(tmp_path):
-    write_checkpoint(tmp_path, LAYERS, torch.bfloat16, TINY)
+    write_checkpoint(tmp_path, LAYERS, torch.bfloat16, TINY_OLMOE)
     theirs = load_file(tmp_path / "model.safetensors")
-    E, H, I = TINY["num_experts"], TINY["hidden_size"], TINY["intermediate_size"]
+    E, H, I = TINY_OLMOE["num_experts"], TINY_OLMOE["hidden_size"], TINY_OLMOE["intermediate_size"]
     assert theirs["model.layers.1.mlp.experts.gate_up_proj"].shape == (E, 2 * I, H)
     assert theirs["model.layers.1.mlp.experts.down_proj"].shape == (E, H, I)
     assert all(t.dtype == torch.bfloat16 for t in theirs.values())
@@ -67,7 +59,7 @@ def test_hit_rate_grows_with_the_cache_and_is_full_at_100_percent(result):
 
 
 def test_every_expert_misses_with_top_k_slots(result):
-    k, per_step = TINY["num_experts_per_tok"], LAYERS * TINY["num_experts_per_tok"]
+    k, per_step = TINY_OLMOE["num_experts_per_tok"], LAYERS * TINY_OLMOE["num_experts_per_tok"]
     for run in (result["all_miss_cold"], result["all_miss_warm"]):
         assert run["slots"] == k and run["hit_rate"] == 0.0
         assert run["misses"] == STEPS * per_step

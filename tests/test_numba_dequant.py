@@ -6,7 +6,7 @@ threads, and the routing in `dequantize_bytes`."""
 import numpy as np
 import pytest
 import torch
-from test_dequant import assert_same_bits, finite_fp16_bits, gguf_dequant, random_bytes
+from test_dequant import FP16_FIELDS, assert_same_bits, finite_fp16_bits, gguf_dequant, random_bytes
 
 from moerun.quant import dequant
 from moerun.quant.dequant import dequantize_bytes
@@ -16,16 +16,6 @@ numba_dequant = pytest.importorskip("moerun.quant.numba_dequant", reason="numba 
 
 FORMAT_NAMES = ["q8_0", "q4_0", "mxfp4", "mxfp4_gpt_oss", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 GGUF_NAMES = [name for name in FORMAT_NAMES if name != "mxfp4_gpt_oss"]
-# Byte offsets of each block's fp16 fields (d, dmin), from ggml-common.h.
-FP16_FIELDS = {
-    "q4_0": (0,),
-    "q8_0": (0,),
-    "q2_k": (80, 82),
-    "q3_k": (108,),
-    "q4_k": (0, 2),
-    "q5_k": (0, 2),
-    "q6_k": (208,),
-}
 # fp16 scales beyond finite_fp16_bits' specials: ±inf, signalling and quiet NaNs with assorted payloads.
 F16_NONFINITE = np.array([0x7C00, 0xFC00, 0x7C01, 0xFC01, 0x7E00, 0xFE00, 0x7D55, 0x7FFF, 0xFFFF], np.uint16)
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import rel_err
+from test_dequant import FP16_FIELDS
 
 from moerun.quant.dequant import dequantize_bytes
 from moerun.quant.formats import FORMATS
@@ -13,7 +14,6 @@ numba_matvec = pytest.importorskip("moerun.quant.numba_matvec", reason="numba is
 BLOCK_FORMATS = ["q8_0", "q4_0", "mxfp4", "mxfp4_gpt_oss"]
 K_FORMATS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 # Byte offsets of the fp16 scales (d, dmin) inside each k-quant block.
-FP16_FIELDS = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 SHAPES = [(out, n) for out in (1, 7, 256, 300) for n in (256, 512, 2048)]
 
 

@@ -65,7 +65,8 @@ class StateDictError(ValueError):
     """Tensors that do not fit a layer's spec."""
 
 
-_ROUTER_TENSORS = ("router.weight", "router.bias", "router.score_bias", "shared.gate")
+# kept in fp32 whatever the compute dtype: routing runs in fp32
+FP32_TENSORS = frozenset({"router.weight", "router.bias", "router.score_bias", "shared.gate"})
 _EXPERT_PROJECTIONS = ("experts.gate_up", "experts.down")
 
 
@@ -138,7 +139,7 @@ class MoELayer:
                 continue
             if isinstance(tensor, QTensor):  # small non-expert tensors are used dense
                 tensor = dequantize(tensor)
-            target = torch.float32 if key in _ROUTER_TENSORS else dtype
+            target = torch.float32 if key in FP32_TENSORS else dtype
             out = tensor.detach().to(device=device, dtype=target).contiguous()
             placed[key] = out.clone() if stream is not None and out.data_ptr() == tensor.data_ptr() else out
         return cls(
@@ -223,17 +224,24 @@ def _compute_dtype(tensors: Mapping[str, torch.Tensor | QTensor]) -> torch.dtype
     return torch.float32
 
 
-def check_tensors(
-    spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str, sources: Mapping[str, str] | None = None
-) -> None:
-    """Raise one StateDictError listing every missing, unexpected and mis-shaped tensor.
-
-    `sources` maps a canonical name to the checkpoint name it came from, for the message."""
+def tensor_problems(
+    expected: Mapping[str, tuple[int, ...]],
+    tensors: Mapping[str, torch.Tensor | QTensor],
+    sources: Mapping[str, str] | None = None,
+    limit: int | None = None,
+) -> list[str]:
+    """Every missing, unexpected, mis-shaped and non-floating tensor against `expected` shapes, as
+    parts of one message. `sources` maps a canonical name to the checkpoint name it comes from; name
+    lists longer than `limit` are cut short."""
 
     def label(key: str) -> str:
-        return f"{key} ({sources[key]})" if sources and key in sources else key
+        return f"{key} ({sources[key]})" if sources and sources.get(key, key) != key else key
 
-    expected = spec.tensor_shapes()
+    def listed(names: list[str]) -> str:
+        if limit is not None and len(names) > limit:
+            names = [*names[:limit], f"... ({len(names) - limit} more)"]
+        return ", ".join(names)
+
     missing = [label(key) for key in expected if key not in tensors]
     unexpected = [key for key in tensors if key not in expected]
     misshaped = [
@@ -248,13 +256,23 @@ def check_tensors(
     ]
     problems = []
     if missing:
-        problems.append("missing " + ", ".join(missing))
+        problems.append("missing " + listed(missing))
     if unexpected:
-        problems.append("unexpected " + ", ".join(unexpected))
+        problems.append("unexpected " + listed(unexpected))
     if misshaped:
         problems.append("mis-shaped: " + "; ".join(misshaped))
     if not_float:
-        problems.append("not floating point: " + ", ".join(not_float))
+        problems.append("not floating point: " + listed(not_float))
+    return problems
+
+
+def check_tensors(
+    spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str, sources: Mapping[str, str] | None = None
+) -> None:
+    """Raise one StateDictError listing every missing, unexpected and mis-shaped tensor.
+
+    `sources` maps a canonical name to the checkpoint name it came from, for the message."""
+    problems = tensor_problems(spec.tensor_shapes(), tensors, sources)
     if problems:
         raise StateDictError(
             f"Tensors for MoE layer {name!r} do not fit its config: " + " | ".join(problems) + "."

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from moerun.layer import MoELayer, StateDictError
+from moerun.layer import MoELayer, StateDictError, tensor_problems
 from moerun.model.attention import Attention, KVCache
 from moerun.model.config import ModelConfig
 from moerun.model.linear import linear
@@ -284,32 +284,9 @@ def check_model_tensors(
 ) -> None:
     """One StateDictError listing every missing, unexpected and mis-shaped tensor of the model;
     `sources` (canonical name -> checkpoint name) and `where` (the file) make the message concrete."""
-
-    def label(key: str) -> str:
-        return f"{key} ({sources[key]})" if sources and sources.get(key, key) != key else key
-
-    expected = config.tensor_shapes()
-    missing = [k for k in expected if k not in tensors]
-    unexpected = [k for k in tensors if k not in expected]
-    misshaped = [
-        f"{label(k)} is {tuple(tensors[k].shape)}, expected {s}"
-        for k, s in expected.items()
-        if k in tensors and tuple(tensors[k].shape) != s
-    ]
-    problems = []
-    if missing:
-        problems.append("missing " + ", ".join(_abbreviate(missing)))
-    if unexpected:
-        problems.append("unexpected " + ", ".join(_abbreviate(unexpected)))
-    if misshaped:
-        problems.append("mis-shaped: " + "; ".join(misshaped))
+    problems = tensor_problems(config.tensor_shapes(), tensors, sources, limit=40)
     if problems:
         raise StateDictError(
-            f"The {config.model_type} checkpoint's tensors do not fit its config: "
-            + " | ".join(problems)
-            + "."
+            f"{f'{where}: the' if where else 'The'} {config.model_type} checkpoint's tensors do not fit "
+            "its config: " + " | ".join(problems) + "."
         )
-
-
-def _abbreviate(names: list[str], limit: int = 40) -> list[str]:
-    return names if len(names) <= limit else [*names[:limit], f"... ({len(names) - limit} more)"]

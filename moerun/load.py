@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from moerun.layer import FP32_TENSORS
 from moerun.loader import CheckpointError, GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.model.config import ModelConfig
 from moerun.model.transformer import MoEModel, check_model_tensors
@@ -23,8 +24,6 @@ from moerun.offload import ExpertCache, ExpertStore, MappedFile
 from moerun.quant.cache import DequantCache
 from moerun.text.tokenizer import Tokenizer
 
-# kept in fp32 whatever the compute dtype (the MoE layer routes in fp32)
-_FP32_TENSOR = re.compile(r"\.moe\.(router\.|shared\.gate$)")
 # streamed expert projections: left as the file has them (the expert store converts on read)
 _STREAMED = re.compile(r"\.moe\.experts\.(gate_up|down)$")
 
@@ -66,8 +65,7 @@ def _hf_model(root: Path, dtype: torch.dtype, streamed: bool) -> tuple[ModelConf
         model_config.model_type, model_config, checkpoint.names(), checkpoint.tensor, release
     )
     check_model_tensors(model_config, tensors, sources, where=str(root))
-    shards = {id(f): f for f in checkpoint._where.values()}.values()
-    files = [MappedFile(f.path, f._data) for f in shards]
+    files = [MappedFile(f.path, f.mapped) for f in checkpoint.shards]
     return model_config, converted(tensors, sources, dtype, release, streamed), files
 
 
@@ -84,7 +82,8 @@ def converted(
     the expert projections when `streamed`."""
     out = {}
     for name, tensor in tensors.items():
-        target = torch.float32 if _FP32_TENSOR.search(name) else dtype
+        _, moe, within = name.partition(".moe.")
+        target = torch.float32 if moe and within in FP32_TENSORS else dtype
         if streamed and _STREAMED.search(name):
             out[name] = tensor
             continue
@@ -125,7 +124,7 @@ def load(
 
         gguf = GGUFFile(root)
         model_config, tensors = gguf_model(gguf)
-        files = [MappedFile(gguf.path, gguf._data)]
+        files = [MappedFile(gguf.path, gguf.mapped)]
         has_tokenizer = "tokenizer.ggml.model" in gguf.metadata
         read = lambda: Tokenizer.from_gguf_metadata(gguf.metadata, source=str(root))  # noqa: E731
         tokenizer = _tokenizer(read) if has_tokenizer else None

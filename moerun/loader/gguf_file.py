@@ -237,6 +237,11 @@ class GGUFFile:
             )
         return self._data[info.offset : info.offset + info.nbytes]
 
+    @property
+    def mapped(self) -> torch.Tensor:
+        """The whole file as uint8 [size] over its copy-on-write map (tensors are views of it)."""
+        return self._data
+
     def release(self, name: str) -> None:
         """Give back the memory of a tensor already copied out of the map (see `release_pages`)."""
         info = self.info(name)

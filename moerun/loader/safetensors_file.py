@@ -155,6 +155,11 @@ class SafetensorsFile:
         dtype, shape, begin, end = self._entry(name)
         return view_bytes(self._data[begin:end], dtype, shape)
 
+    @property
+    def mapped(self) -> torch.Tensor:
+        """The whole file as uint8 [size] over its copy-on-write map (tensors are views of it)."""
+        return self._data
+
     def release(self, name: str) -> None:
         """Give back the memory of a tensor already copied out of the map (see `release_pages`)."""
         _, _, begin, end = self._entry(name)
@@ -240,6 +245,11 @@ class SafetensorsCheckpoint:
 
     def release(self, name: str) -> None:
         self._file(name).release(name)
+
+    @property
+    def shards(self) -> list[SafetensorsFile]:
+        """The files, each once."""
+        return list({id(f): f for f in self._where.values()}.values())
 
     def __repr__(self) -> str:
         n, files = len(self._where), len(self.files)

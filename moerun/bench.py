@@ -108,11 +108,12 @@ def copy_bandwidth(device: str, nbytes: int = 256 * 2**20, repeats: int = 5) -> 
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src), device) for _ in range(repeats))
+    best = min(timed(lambda: dst.copy_(src), device) for _ in range(repeats))
     return 2 * nbytes / best
 
 
-def _timed(fn: Callable[[], object], device: str) -> float:
+def timed(fn: Callable[[], object], device: str = "cpu") -> float:
+    """Wall seconds of one call, the device synchronised before and after."""
     _sync(device)
     start = time.perf_counter()
     fn()
@@ -143,10 +144,10 @@ def _measure(
     decode = {name: [] for name in contenders}
     for _ in range(repeats):
         for name, forward in contenders.items():
-            prefill[name].append(_timed(lambda f=forward: f(x_prefill), device))
+            prefill[name].append(timed(lambda f=forward: f(x_prefill), device))
     for i in range(1, x_decode.shape[0]):
         for name, forward in contenders.items():
-            decode[name].append(_timed(lambda f=forward, i=i: f(x_decode[i : i + 1]), device))
+            decode[name].append(timed(lambda f=forward, i=i: f(x_decode[i : i + 1]), device))
     return {name: (statistics.median(prefill[name]), statistics.median(decode[name])) for name in contenders}
 
 

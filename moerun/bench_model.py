@@ -6,12 +6,11 @@ call. transformers is needed for the peer and for building the weights (the `ben
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
-from moerun.bench import DTYPES, copy_bandwidth
+from moerun.bench import DTYPES, copy_bandwidth, timed
 from moerun.model.transformer import MoEModel
 from moerun.models import family
 from moerun.models.hf_checkpoint import canonical_tensors
@@ -54,12 +53,6 @@ def build_pair(layers: int, dtype: torch.dtype, shape: dict | None = None):
     return peer, MoEModel(model_config, tensors, dtype=dtype)
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def run_model_bench(
     layers: int = 4,
     dtype: str = "bf16",
@@ -90,8 +83,8 @@ def run_model_bench(
         log(f"prefill: logits of a {prompt_tokens}-token prompt x{repeats}, interleaved")
         ours.logits(ids[:, :16]), peer(ids[:, :16])  # warm-up
         for _ in range(repeats):
-            prefill["moerun"].append(_timed(lambda: ours.logits(ids)))
-            prefill["transformers"].append(_timed(peer_logits))
+            prefill["moerun"].append(timed(lambda: ours.logits(ids)))
+            prefill["transformers"].append(timed(peer_logits))
         ours_logits, peer_logits_out = ours.logits(ids), peer_logits()
         log(f"decode: {decode_steps} single-token steps after a {prompt_tokens}-token prompt, interleaved")
         cache = ours.new_cache(1, prompt_tokens + len(steps))
@@ -100,8 +93,8 @@ def run_model_bench(
         peer(ids, cache=peer_cache, use_cache=True)
         for i, token in enumerate(steps):
             tok = torch.tensor([[token]])
-            t_ours = _timed(lambda tok=tok: ours._logits(ours.forward(tok, cache)))
-            t_peer = _timed(lambda tok=tok: peer(tok, cache=peer_cache, use_cache=True).logits)
+            t_ours = timed(lambda tok=tok: ours._logits(ours.forward(tok, cache)))
+            t_peer = timed(lambda tok=tok: peer(tok, cache=peer_cache, use_cache=True).logits)
             if i:  # the first step pays one-time costs on both sides
                 decode["moerun"].append(t_ours)
                 decode["transformers"].append(t_peer)
@@ -109,9 +102,9 @@ def run_model_bench(
         prompt = ids[0, :32].tolist()
         generate = {"moerun": [], "transformers": []}
         for _ in range(repeats):
-            generate["moerun"].append(_timed(lambda: list(ours.generate(prompt, max_new_tokens=16))))
+            generate["moerun"].append(timed(lambda: list(ours.generate(prompt, max_new_tokens=16))))
             generate["transformers"].append(
-                _timed(
+                timed(
                     lambda: peer.generate(
                         ids[:, :32], max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0
                     )

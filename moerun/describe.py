@@ -4,17 +4,21 @@ and the memory a run needs."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import torch
+
 from moerun.loader import GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.model.config import ModelConfig
+from moerun.quant.formats import FLOAT_DTYPES
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
 _EXPERT_TENSOR = re.compile(r"experts|_exps")
-_DTYPE_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "uint8": "u8"}
+_DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()} | {torch.uint8: "u8"}
 
 
 def _tensor_table(path: Path) -> tuple[str, ModelConfig, list[tuple[str, str, tuple[int, ...], int]]]:
@@ -35,13 +39,10 @@ def _tensor_table(path: Path) -> tuple[str, ModelConfig, list[tuple[str, str, tu
     rows = []
     for name in checkpoint.names():
         dtype, shape = checkpoint.dtype(name), checkpoint.shape(name)
-        fmt = _DTYPE_NAMES.get(str(dtype).removeprefix("torch."), str(dtype))
+        fmt = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
         if name.endswith(("_blocks", "_scales")):
             fmt = "mxfp4 (gpt-oss)"
-        numel = 1
-        for d in shape:
-            numel *= d
-        rows.append((name, fmt, shape, numel * dtype.itemsize))
+        rows.append((name, fmt, shape, math.prod(shape) * dtype.itemsize))
     return "safetensors", config, rows
 
 

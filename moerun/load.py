@@ -5,7 +5,6 @@ Files are opened only through `moerun.loader`; family files map configs and name
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -16,6 +15,7 @@ import torch
 
 from moerun.layer import FP32_TENSORS
 from moerun.loader import CheckpointError, GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
+from moerun.loader.hf_config import read_hf_config
 from moerun.model.config import ModelConfig
 from moerun.model.transformer import MoEModel, check_model_tensors
 from moerun.models import family
@@ -26,19 +26,6 @@ from moerun.text.tokenizer import Tokenizer
 
 # streamed expert projections: left as the file has them (the expert store converts on read)
 _STREAMED = re.compile(r"\.moe\.experts\.(gate_up|down)$")
-
-
-def read_hf_config(directory: Path) -> dict:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{directory}: no config.json, so this is not a Hugging Face checkpoint.")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err}).") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise CheckpointError(f"{path}: has no 'model_type', so moerun cannot tell the architecture.")
-    return config
 
 
 def hf_model_config(directory: Path) -> ModelConfig:

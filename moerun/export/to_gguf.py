@@ -35,9 +35,10 @@ from types import SimpleNamespace
 import torch
 
 from moerun.export.gguf_vocab_export import VocabError, vocab_metadata
-from moerun.load import hf_model_config, read_hf_config
+from moerun.load import hf_model_config
 from moerun.loader import CheckpointError, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.loader.gguf_writer import GGUFWriter
+from moerun.loader.hf_config import read_hf_config
 from moerun.model.config import ModelConfig
 from moerun.model.transformer import check_model_tensors
 from moerun.models import FAMILIES, family

@@ -5,6 +5,7 @@ path or a hub id already in the Hugging Face cache, never downloaded); and `Chec
 
 from moerun.loader.errors import CheckpointError
 from moerun.loader.gguf_file import GGUFFile, GGUFTensorInfo
+from moerun.loader.hf_config import read_hf_config
 from moerun.loader.paths import hub_cache_dir, resolve_checkpoint
 from moerun.loader.safetensors_file import SafetensorsCheckpoint, SafetensorsFile
 
@@ -15,5 +16,6 @@ __all__ = [
     "SafetensorsCheckpoint",
     "SafetensorsFile",
     "hub_cache_dir",
+    "read_hf_config",
     "resolve_checkpoint",
 ]

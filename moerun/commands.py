@@ -22,7 +22,13 @@ DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "fp32": torch.float32}
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF checkpoint directory, .gguf file or cached hub id")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="expert kernels: auto picks triton on CUDA, torch elsewhere",
+    )
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default 256)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--top-k", type=int, default=0)
@@ -69,8 +75,9 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
 
     model = moerun.load(
         args.model,
-        device=args.device,
+        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
         dtype=DTYPES[args.dtype],
+        backend=args.backend,
         expert_cache_gb=getattr(args, "expert_cache_gb", None),
         prefetch_k=getattr(args, "prefetch_k", None),
         progress=progress,

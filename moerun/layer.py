@@ -7,6 +7,7 @@ transformers' blocks produce these names, and `MoELayer.from_tensors` checks the
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -16,7 +17,6 @@ from moerun.activations import GLU, Activation
 from moerun.backends import Backend, get_backend
 from moerun.backends.workspace import Workspace
 from moerun.experts import ExpertWeights
-from moerun.plan import build_plan, build_token_plan
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
@@ -106,6 +106,14 @@ class MoELayer:
             cache=dequant_cache,
             stream=stream,
         )
+        unsupported = getattr(self.backend, "unsupported", None)
+        if unsupported is not None and (reason := unsupported(self.experts)):
+            warnings.warn(f"{reason}; such MoE layers run on the torch backend.", stacklevel=2)
+            self.backend = get_backend("torch")
+        # prefill on a backend that needs every touched expert resident at once (one grouped GEMM)
+        # goes through the torch backend's expert-by-expert path when the experts are streamed
+        streams_prefill = stream is None or self.backend.STREAMS_PREFILL
+        self.batch_backend = self.backend if streams_prefill else get_backend("torch")
         self.workspace = Workspace()
         self._route_ms = 0.0
 
@@ -168,7 +176,8 @@ class MoELayer:
             stream.cache.record(route_ms, total_ms - route_ms - 1e3 * (stream.fetch_s - fetched))
 
     def _forward(self, x: torch.Tensor, after_fetch: Callable[[], None] | None = None) -> torch.Tensor:
-        spec, t, backend = self.spec, self.tensors, self.backend
+        spec, t = self.spec, self.tensors
+        backend = self.backend if x.shape[0] == 1 else self.batch_backend
         trace = layer_trace(self.name)
         route_start = time.perf_counter()
         with trace.stage("route", x.device):
@@ -181,20 +190,18 @@ class MoELayer:
             weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
             trace.router_figures(logits, ids, weights, spec.num_experts)
         self._route_ms = 1e3 * (time.perf_counter() - route_start)
+        if self.experts.stream is not None:  # the host stage: the step's experts into cache slots
+            self._fetch(torch.unique(ids).tolist(), after_fetch)
         if x.shape[0] == 1:
             with trace.stage("plan", x.device):
-                plan = build_token_plan(ids, weights, self.name)
-            self._fetch(plan.experts, after_fetch)
+                plan = backend.token_plan(ids, weights, self.name)
             with trace.stage("experts", x.device):
                 rows = backend.token_rows(x[0], plan, self.experts, spec.activation)  # [k, H] fp32
             with trace.stage("combine", x.device):
                 out = backend.combine_token(rows)[None]  # [1, H] fp32
         else:
             with trace.stage("plan", x.device):
-                plan = build_plan(ids, weights, spec.num_experts)
-            if self.experts.stream is not None:
-                offsets = plan.offsets.tolist()
-                self._fetch([e for e in range(spec.num_experts) if offsets[e + 1] > offsets[e]], after_fetch)
+                plan = backend.batch_plan(ids, weights, spec.num_experts)
             with trace.stage("experts", x.device):
                 rows = backend.expert_rows(
                     x, plan, self.experts, spec.activation, self.workspace
@@ -207,10 +214,8 @@ class MoELayer:
         trace.finish(x.shape[0])
         return out.to(x.dtype)
 
-    def _fetch(self, experts, after_fetch: Callable[[], None] | None) -> None:
+    def _fetch(self, experts: list[int], after_fetch: Callable[[], None] | None) -> None:
         """Streaming: announce the step's experts (ascending) to the cache; the first group loads."""
-        if self.experts.stream is None:
-            return
         self.experts.stream.begin([int(e) for e in experts])
         if after_fetch is not None:
             after_fetch()

@@ -6,6 +6,8 @@
 The Hugging Face hub cache (where hub ids are looked up, never downloaded) follows huggingface_hub:
 `HF_HUB_CACHE` (or its older name `HUGGINGFACE_HUB_CACHE`), else `HF_HOME/hub`, else
 `XDG_CACHE_HOME/huggingface/hub`, else `~/.cache/huggingface/hub`.
+`TRITON_INTERPRET=1` (triton's own switch, read here only to check the triton backend may run on CPU
+tensors) runs Triton kernels in triton's interpreter.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ TRACE_CHANNELS = frozenset({"perf", "buffers"})
 class Settings:
     trace: frozenset[str] = frozenset()
     hf_hub_cache: Path = field(default_factory=lambda: Path.home() / ".cache" / "huggingface" / "hub")
+    triton_interpret: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -36,7 +39,8 @@ class Settings:
             )
         if "all" in channels:
             channels = TRACE_CHANNELS
-        return cls(trace=channels, hf_hub_cache=_hf_hub_cache(environ))
+        interpret = environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+        return cls(trace=channels, hf_hub_cache=_hf_hub_cache(environ), triton_interpret=interpret)
 
 
 def _hf_hub_cache(environ: Mapping[str, str]) -> Path:

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,6 +6,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Without CUDA the Triton kernels run in triton's interpreter, on CPU tensors. triton reads this when
+# a kernel is defined, so it is set before any test imports moerun.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

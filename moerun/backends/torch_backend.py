@@ -16,7 +16,11 @@ import torch.nn.functional as F
 from moerun.activations import Activation
 from moerun.backends.workspace import Workspace
 from moerun.experts import ExpertWeights
-from moerun.plan import BatchedPlan, TokenPlan
+from moerun.plan import BatchedPlan, TokenPlan, build_plan, build_token_plan
+
+batch_plan = build_plan
+token_plan = build_token_plan
+STREAMS_PREFILL = True  # prefill visits experts one by one, so a stream can fetch them in groups
 
 
 def _expert_forward(x: torch.Tensor, experts: ExpertWeights, e: int, act: Activation) -> torch.Tensor:

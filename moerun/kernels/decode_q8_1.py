@@ -1,0 +1,328 @@
+"""The integer (q8_1) path of the Triton decode step, for block-quantised weights.
+
+Owns q8_1 activations on the device (`quantize_rows_q8_1`, and `store_q8_1`, which
+`moerun.kernels.decode`'s activation kernel also writes its q8_1 rows with) and the two projections
+with integer dot products, `gate_up_experts_q8_1` and `down_experts_q8_1`: weight quants times q8_1
+activation quants, summed per sub-block in int32, the float scales applied after in the order of
+`moerun.quant.q8_1.dot_q8_1` (ggml's vecdotq.cuh). Each launcher has a torch reference of the same
+signature (`*_reference`). The slot table, the fixed buffers and the per-launch `config` dicts work as
+described in `moerun.kernels.decode`, which chains these launches into the decode step and imports
+the table and bias checks from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels.weights import FORMAT_CODES, FORMAT_NAMES, Q4_0, Q4_K, Q6_K, Q8_0, KernelWeight
+from moerun.quant.q8_1 import Q8_1, dot_q8_1, quantize_q8_1
+
+# Formats with an integer q8_1 path, and the bytes of weights one loop step covers (256 elements:
+# one k-quant super-block, or eight 32-element blocks).
+Q8_1_GROUP_BYTES = {FORMAT_CODES["q8_0"]: 8 * 34, FORMAT_CODES["q4_0"]: 8 * 18, FORMAT_CODES["mxfp4"]: 8 * 17}
+Q8_1_GROUP_BYTES |= {FORMAT_CODES["q4_k"]: 144, FORMAT_CODES["q6_k"]: 210}
+QK = 32  # elements per q8_1 block
+
+GEMV_Q8_1_CONFIG = {"BLOCK_N": 16, "num_warps": 4}
+QUANTIZE_CONFIG = {"BLOCK_I": 128, "num_warps": 4}  # BLOCK_I: a multiple of 32
+
+
+def merge_config(default: Mapping[str, int], config: Mapping[str, int] | None) -> dict:
+    """A launch's config: `default` with the keys of `config` (None: none) overriding it."""
+    return {**default, **(config or {})}
+
+
+def check_table(slots: torch.Tensor, experts: torch.Tensor) -> int:
+    if slots.dtype != torch.int32 or experts.dtype != torch.int32 or slots.shape != experts.shape:
+        raise ValueError(
+            f"slots and experts must be int32 tensors of the same shape [k]; got {slots.dtype} "
+            f"{tuple(slots.shape)} and {experts.dtype} {tuple(experts.shape)}."
+        )
+    return slots.shape[0]
+
+
+def check_bias(bias: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
+    if bias is not None and (bias.ndim != 2 or bias.shape[1] != n):
+        raise ValueError(f"{what} bias must be [E, {n}]; got {tuple(bias.shape)}.")
+    return None if bias is None else bias.contiguous()
+
+
+# ---------------------------------------------------------------- q8_1 activations
+
+
+@triton.jit
+def store_q8_1(v, blocks, n, qs_row, d_row, s_row, GROUPS: tl.constexpr):
+    """Quantise v fp32 [G, 32] (q8_1 blocks `blocks` [G] of a row of n) as quantize_q8_1 does and
+    store qs int8, d and s fp32 (fp16 values) at the row pointers; blocks past n are not stored."""
+    # ggml's quantize_row_q8_1_ref: IEEE divisions (plain `/` may be approximate on the GPU)
+    d = tl.div_rn(tl.max(tl.abs(v), axis=1), tl.full([GROUPS], 127.0, tl.float32))  # [G]
+    inv = tl.div_rn(tl.full([GROUPS], 1.0, tl.float32), tl.where(d != 0, d, 1.0))
+    keep = (d != 0) & (inv <= 3.4028234663852886e38)  # 1 / d overflowing: a zero block
+    inv = tl.where(keep, inv, 0.0)
+    d = tl.where(keep, d, 0.0)
+    scaled = v * inv[:, None]
+    mag = tl.abs(scaled)
+    whole = tl.floor(mag)
+    q = whole + tl.where(mag - whole >= 0.5, 1.0, 0.0)  # roundf: ties away from zero
+    q = tl.where(scaled < 0, -q, q).to(tl.int32)
+    s = tl.sum(q, axis=1).to(tl.float32) * d
+    cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(qs_row + cols, q.to(tl.int8), mask=cols < n)
+    tl.store(d_row + blocks, d.to(tl.float16).to(tl.float32), mask=blocks * 32 < n)
+    tl.store(s_row + blocks, s.to(tl.float16).to(tl.float32), mask=blocks * 32 < n)
+
+
+@triton.jit
+def _quantize_q8_1_kernel(x_ptr, qs_ptr, d_ptr, s_ptr, n, GROUPS: tl.constexpr):
+    """Rows x float [R, n] (n a multiple of 32) -> q8_1: qs int8 [R, n]; d, s fp32 [R, n / 32].
+    Grid (R, cdiv(n, 32 * GROUPS))."""
+    r = tl.program_id(0)
+    blocks = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+    v = tl.load(x_ptr + r * n + cols, mask=cols < n, other=0.0).to(tl.float32)
+    store_q8_1(v, blocks, n, qs_ptr + r * n, d_ptr + r * (n // 32), s_ptr + r * (n // 32), GROUPS)
+
+
+def empty_q8_1(shape: tuple[int, ...], device: torch.device) -> Q8_1:
+    blocks = (*shape[:-1], shape[-1] // QK)
+    return Q8_1(
+        qs=torch.empty(shape, dtype=torch.int8, device=device),
+        d=torch.empty(blocks, dtype=torch.float32, device=device),
+        s=torch.empty(blocks, dtype=torch.float32, device=device),
+    )
+
+
+def quantize_rows_q8_1(x: torch.Tensor, config: Mapping[str, int] | None = None) -> Q8_1:
+    """Float rows x [..., n] (n a multiple of 32) -> their Q8_1, bit-exact `quantize_q8_1`, one launch.
+    Unlike quantize_q8_1 nothing is checked on the host: inf or NaN input, or scales overflowing
+    fp16, give inf or NaN scales rather than an error (the decode step reads nothing back)."""
+    cfg = merge_config(QUANTIZE_CONFIG, config)
+    n = x.shape[-1]
+    if n % QK or cfg["BLOCK_I"] % QK:
+        raise ValueError(
+            f"q8_1 rows and BLOCK_I must be multiples of {QK}; got n={n}, BLOCK_I={cfg['BLOCK_I']}."
+        )
+    out = empty_q8_1(tuple(x.shape), x.device)
+    rows = x.reshape(-1, n).contiguous()
+    grid = (rows.shape[0], triton.cdiv(n, cfg["BLOCK_I"]))
+    _quantize_q8_1_kernel[grid](
+        rows, out.qs, out.d, out.s, n, GROUPS=cfg["BLOCK_I"] // QK, num_warps=cfg["num_warps"]
+    )
+    return out
+
+
+def quantize_rows_q8_1_reference(x, config=None) -> Q8_1:
+    return quantize_q8_1(x)
+
+
+# ---------------------------------------------------------------- integer dot products
+
+
+@triton.jit
+def _fp16_at(ptr, mask):
+    """The little-endian fp16 at byte pointers `ptr` (any shape), as fp32."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
+    return (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _dot_blocks32(rows, n_mask, qs_g, d8_g, s8_g, n_blocks, FMT: tl.constexpr):
+    """Up to 8 blocks of 32 (n_blocks valid) of q8_0 / q4_0 / mxfp4 rows (byte pointers [BN] at the
+    first block) with q8_1 quants qs_g int8 [256], d8_g and s8_g fp32 [8] -> fp32 [BN]."""
+    j = tl.arange(0, 8)
+    c = tl.arange(0, 32)
+    jm = j < n_blocks
+    m2 = n_mask[:, None] & jm[None, :]  # [BN, 8]
+    m3 = m2[:, :, None]
+    aq = tl.load(qs_g + j[:, None] * 32 + c[None, :], mask=jm[:, None], other=0).to(tl.int32)  # [8, 32]
+    d8 = tl.load(d8_g + j, mask=jm, other=0.0)[None, :]  # [1, 8]
+    if FMT == Q8_0:
+        base = rows[:, None] + j[None, :] * 34  # [BN, 8]
+        q = tl.load(base[:, :, None] + 2 + c[None, None, :], mask=m3, other=0)
+        isum = tl.sum(q.to(tl.int8, bitcast=True).to(tl.int32) * aq[None, :, :], axis=2)  # [BN, 8]
+        out = tl.sum((_fp16_at(base, m2) * d8) * isum.to(tl.float32), axis=1)
+    else:
+        # byte b of the 16 quant bytes: element b in its low nibble, b + 16 in its high nibble
+        width = 18 if FMT == Q4_0 else 17
+        base = rows[:, None] + j[None, :] * width
+        first = 2 if FMT == Q4_0 else 1
+        byte = tl.load(base[:, :, None] + first + (c % 16)[None, None, :], mask=m3, other=0).to(tl.int32)
+        code = (byte >> (4 * (c // 16))[None, None, :]) & 0xF  # [BN, 8, 32]
+        if FMT == Q4_0:
+            isum = tl.sum(code * aq[None, :, :], axis=2)  # unsigned nibbles; the -8 comes via s
+            s8 = tl.load(s8_g + j, mask=jm, other=0.0)[None, :]
+            out = tl.sum(_fp16_at(base, m2) * (isum.to(tl.float32) * d8 - 8.0 * s8), axis=1)
+        else:
+            mag = code & 7  # doubled E2M1: 0, 1, 2, 3, 4, 6, 8, 12
+            big = (2 + (mag & 1)) << tl.maximum((mag >> 1) - 1, 0)
+            value = tl.where(mag < 4, mag, big)
+            value = tl.where((code & 8) != 0, -value, value)
+            isum = tl.sum(value * aq[None, :, :], axis=2)
+            e = tl.load(base, mask=m2, other=0).to(tl.int32)  # E8M0; half its scale is 2^(e - 128)
+            bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+            out = tl.sum((bits.to(tl.float32, bitcast=True) * d8) * isum.to(tl.float32), axis=1)
+    return out
+
+
+@triton.jit
+def _dot_q4_k(rows, n_mask, qs_g, d8_g):
+    """One Q4_K super-block (byte pointers [BN]) with q8_1 quants qs_g [256], d8_g [8] -> fp32 [BN]."""
+    j = tl.arange(0, 8)  # sub-blocks of 32
+    c = tl.arange(0, 32)
+    m2 = n_mask[:, None]
+    m3 = n_mask[:, None, None]
+    aq = tl.load(qs_g + j[:, None] * 32 + c[None, :]).to(tl.int32)  # [8, 32]
+    d8 = tl.load(d8_g + j)[None, :]  # [1, 8]
+    # sub-block j: low (j even) or high nibbles of bytes 16 + 32 * (j // 2) + c
+    offs = (16 + 32 * (j // 2))[:, None] + c[None, :]  # [8, 32]
+    byte = tl.load(rows[:, None, None] + offs[None, :, :], mask=m3, other=0).to(tl.int32)
+    q = (byte >> (4 * (j % 2))[None, :, None]) & 0xF
+    isum = tl.sum(q * aq[None, :, :], axis=2)  # [BN, 8]
+    # 6-bit scales and mins: bytes 4-7 (a), 8-11 (b), 12-15 (c) as in dequant._unpack_k4_scales
+    at = rows[:, None] + (j % 4)[None, :]
+    sa = tl.load(at + 4, mask=m2, other=0).to(tl.int32)
+    sb = tl.load(at + 8, mask=m2, other=0).to(tl.int32)
+    sc = tl.load(at + 12, mask=m2, other=0).to(tl.int32)
+    high = (j >= 4)[None, :]
+    scale = tl.where(high, (sc & 0xF) | ((sa >> 6) << 4), sa & 63)
+    minimum = tl.where(high, (sc >> 4) | ((sb >> 6) << 4), sb & 63)
+    qsum = tl.sum(aq, axis=1)[None, :]  # [1, 8]
+    sumf_d = tl.sum(d8 * (isum * scale).to(tl.float32), axis=1)
+    sumf_m = tl.sum(d8 * (qsum * minimum).to(tl.float32), axis=1)
+    return _fp16_at(rows, n_mask) * sumf_d - _fp16_at(rows + 2, n_mask) * sumf_m
+
+
+@triton.jit
+def _dot_q6_k(rows, n_mask, qs_g, d8_g):
+    """One Q6_K super-block (byte pointers [BN]) with q8_1 quants qs_g [256], d8_g [8] -> fp32 [BN]."""
+    j = tl.arange(0, 16)  # sub-blocks of 16
+    el = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16, 16] element index
+    half = el // 128
+    r = el % 128
+    m3 = n_mask[:, None, None]
+    low = tl.load(rows[:, None, None] + (64 * half + r % 64)[None, :, :], mask=m3, other=0).to(tl.int32)
+    top = tl.load(rows[:, None, None] + (128 + 32 * half + r % 32)[None, :, :], mask=m3, other=0).to(tl.int32)
+    low = (low >> (4 * (r // 64))[None, :, :]) & 0xF
+    top = (top >> (2 * (r // 32))[None, :, :]) & 3
+    q = (low | (top << 4)) - 32
+    aq = tl.load(qs_g + el).to(tl.int32)  # [16, 16]
+    isum = tl.sum(q * aq[None, :, :], axis=2)  # [BN, 16]
+    scale = tl.load(rows[:, None] + 192 + j[None, :], mask=n_mask[:, None], other=0)
+    scale = scale.to(tl.int8, bitcast=True).to(tl.int32)
+    d8 = tl.load(d8_g + j // 2)[None, :]  # a q8_1 block spans two sub-blocks
+    return _fp16_at(rows + 208, n_mask) * tl.sum(d8 * (isum * scale).to(tl.float32), axis=1)
+
+
+@triton.jit
+def _experts_gemv_q8_1_kernel(
+    qs_ptr, d8_ptr, s8_ptr, x_row_stride, slots_ptr, experts_ptr, weights_ptr,
+    w_ptr, row_stride, expert_stride, bias_ptr, out_ptr, N, K,
+    FMT: tl.constexpr, GROUP_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """As _experts_gemv_kernel with x in q8_1 and integer dot products. Grid (k, cdiv(N, BLOCK_N)).
+
+    qs: int8 [k, K]; d8, s8: fp32 [k, K / 32]; rows `x_row_stride` elements of qs apart (0: shared).
+    w: uint8 [slots, N, row_stride] of FMT (one of Q8_1_GROUP_BYTES). bias: float [E, N].
+    out: fp32 [k, N]."""
+    i = tl.program_id(0)
+    n_offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n_offs < N
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    rows = w_ptr + slot * expert_stride + n_offs * row_stride  # [BN] byte pointers
+    qs_row = qs_ptr + i * x_row_stride
+    d8_row = d8_ptr + i * (x_row_stride // 32)
+    s8_row = s8_ptr + i * (x_row_stride // 32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in range(0, tl.cdiv(K, 256)):  # 256 elements a step
+        blk = rows + g * GROUP_BYTES
+        if FMT == Q4_K:
+            acc += _dot_q4_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
+        elif FMT == Q6_K:
+            acc += _dot_q6_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
+        else:
+            n_blocks = K // 32 - g * 8
+            acc += _dot_blocks32(blk, n_mask, qs_row + g * 256, d8_row + g * 8, s8_row + g * 8, n_blocks, FMT)
+    if HAS_BIAS:
+        expert = tl.load(experts_ptr + i).to(tl.int64)
+        bias = tl.load(bias_ptr + expert * N + n_offs, mask=n_mask, other=0.0).to(tl.float32)
+        if SCALE_BIAS:
+            bias = bias * tl.load(weights_ptr + i)
+        acc += bias
+    tl.store(out_ptr + i * N + n_offs, acc, mask=n_mask)
+
+
+def _gemv_q8_1(xq: Q8_1, x_row_stride, slots, experts, weights, w: KernelWeight, bias, scale_bias, k, config):
+    fmt = w.fmt
+    if fmt not in Q8_1_GROUP_BYTES:
+        supported = ", ".join(FORMAT_NAMES[f] for f in Q8_1_GROUP_BYTES)
+        raise ValueError(f"no q8_1 kernel for {FORMAT_NAMES[fmt]} weights; supported: {supported}.")
+    cfg = merge_config(GEMV_Q8_1_CONFIG, config)
+    out = torch.empty(k, w.n, dtype=torch.float32, device=xq.qs.device)
+    grid = (k, triton.cdiv(w.n, cfg["BLOCK_N"]))
+    _experts_gemv_q8_1_kernel[grid](
+        xq.qs.contiguous(), xq.d.contiguous(), xq.s.contiguous(), x_row_stride, slots, experts, weights,
+        w.data, w.row_stride, w.expert_stride, out if bias is None else bias, out, w.n, w.k,
+        FMT=fmt, GROUP_BYTES=Q8_1_GROUP_BYTES[fmt], HAS_BIAS=bias is not None, SCALE_BIAS=scale_bias,
+        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return out
+
+
+def gate_up_experts_q8_1(
+    xq: Q8_1,
+    slots: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: KernelWeight,
+    gate_up_bias: torch.Tensor | None,
+    config: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """xq: Q8_1 of one token [H] -> h fp32 [k, 2I], integer dot products (see dot_q8_1), one launch."""
+    k = check_table(slots, experts)
+    if xq.qs.shape != (gate_up.k,):
+        raise ValueError(f"gate_up_experts_q8_1 takes q8_1 x [{gate_up.k}]; got {tuple(xq.qs.shape)}.")
+    bias = check_bias(gate_up_bias, gate_up.n, "gate_up")
+    return _gemv_q8_1(xq, 0, slots, experts, slots, gate_up, bias, False, k, config)
+
+
+def down_experts_q8_1(
+    aq: Q8_1,
+    slots: torch.Tensor,
+    experts: torch.Tensor,
+    down: KernelWeight,
+    down_bias: torch.Tensor | None,
+    weights: torch.Tensor,
+    config: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """aq: Q8_1 of a [k, I] (already times the routing weights) -> y fp32 [k, H]
+    (+ weights[i] * down_bias[experts[i]]), integer dot products, one launch."""
+    k = check_table(slots, experts)
+    if aq.qs.shape != (k, down.k):
+        raise ValueError(f"down_experts_q8_1 takes q8_1 a [{k}, {down.k}]; got {tuple(aq.qs.shape)}.")
+    bias = check_bias(down_bias, down.n, "down")
+    return _gemv_q8_1(aq, down.k, slots, experts, weights, down, bias, True, k, config)
+
+
+def _q8_1_row(q: Q8_1, i: int | None) -> Q8_1:
+    return q if i is None else Q8_1(qs=q.qs[i], d=q.d[i], s=q.s[i])
+
+
+def gate_up_experts_q8_1_reference(xq, slots, experts, gate_up, gate_up_bias, config=None) -> torch.Tensor:
+    rows = []
+    for slot, e in zip(slots.tolist(), experts.tolist(), strict=True):
+        h = dot_q8_1(FORMAT_NAMES[gate_up.fmt], gate_up.data[slot], xq)
+        rows.append(h if gate_up_bias is None else h + gate_up_bias[e].float())
+    return torch.stack(rows)
+
+
+def down_experts_q8_1_reference(aq, slots, experts, down, down_bias, weights, config=None) -> torch.Tensor:
+    rows = []
+    for i, (slot, e) in enumerate(zip(slots.tolist(), experts.tolist(), strict=True)):
+        y = dot_q8_1(FORMAT_NAMES[down.fmt], down.data[slot], _q8_1_row(aq, i))
+        rows.append(y if down_bias is None else y + weights[i] * down_bias[e].float())
+    return torch.stack(rows)

@@ -32,7 +32,14 @@ from moerun.layer import MoELayer  # noqa: E402
 from moerun.quant.formats import QTensor, get_format  # noqa: E402
 
 # (shape, format of the expert weights) pairs the issue asks for
-DECODE_CASES = [("gpt-oss-20b", "mxfp4"), ("mixtral-8x7b", "bf16"), ("mixtral-8x7b", "q4_k")]
+# (shape, format, integer decode on q8_1 activations)
+DECODE_CASES = [
+    ("gpt-oss-20b", "mxfp4", False),
+    ("gpt-oss-20b", "mxfp4", True),
+    ("mixtral-8x7b", "bf16", False),
+    ("mixtral-8x7b", "q4_k", False),
+    ("mixtral-8x7b", "q4_k", True),
+]
 PREFILL_CASES = [("mixtral-8x7b", "bf16"), ("gpt-oss-20b", "bf16"), ("gpt-oss-20b", "mxfp4")]
 SMOKE = {
     "gpt-oss-20b": BenchShape("gpt_oss", dict(hidden_size=256, intermediate_size=256, num_local_experts=8,
@@ -106,9 +113,10 @@ def expert_bytes(layer: MoELayer) -> int:
     return layer.experts.bytes_per_expert()
 
 
-def bench_decode(shape_name: str, fmt: str, device: str, bandwidth: float, smoke: bool) -> dict:
+def bench_decode(shape_name: str, fmt: str, q8_1: bool, device: str, bandwidth: float, smoke: bool) -> dict:
     from moerun.backends import triton_backend
 
+    triton_backend.USE_Q8_1 = q8_1  # read when the layer's kernels are first prepared
     layer = make_layer(shape_name, fmt, "triton", device, smoke)
     spec = layer.spec
     x = torch.randn(1, spec.hidden, device=device, dtype=torch.bfloat16)
@@ -123,7 +131,8 @@ def bench_decode(shape_name: str, fmt: str, device: str, bandwidth: float, smoke
     experts_only = _median(lambda: step.run(x=x[0], slots=ids, experts=ids, weights=weights), device, repeats)
     roofline = spec.top_k * expert_bytes(layer) / bandwidth
     return dict(
-        shape=shape_name, format=fmt, top_k=spec.top_k, expert_mb=spec.top_k * expert_bytes(layer) / 1e6,
+        shape=shape_name, format=fmt, q8_1=q8_1, top_k=spec.top_k,
+        expert_mb=spec.top_k * expert_bytes(layer) / 1e6,
         roofline_us=1e6 * roofline, layer_us=1e6 * whole, experts_us=1e6 * experts_only,
         layer_x_roofline=whole / roofline, experts_x_roofline=experts_only / roofline,
     )  # fmt: skip
@@ -185,10 +194,10 @@ def main() -> int:
     print(f"{gpu}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (torch {torch.__version__})")
     print(f"{'decode, one MoE layer':32} {'expert MB':>9} {'roofline us':>11} {'layer us':>9} {'x':>5} "
           f"{'experts us':>10} {'x':>5}")  # fmt: skip
-    for shape_name, fmt in DECODE_CASES:
-        r = bench_decode(shape_name, fmt, device, bandwidth, args.smoke)
+    for shape_name, fmt, q8_1 in DECODE_CASES:
+        r = bench_decode(shape_name, fmt, q8_1, device, bandwidth, args.smoke)
         results["decode"].append(r)
-        name = f"{shape_name} {fmt}"
+        name = f"{shape_name} {fmt}{' q8_1' if q8_1 else ''}"
         print(f"{name:32} {r['expert_mb']:9.1f} {r['roofline_us']:11.1f} {r['layer_us']:9.1f} "
               f"{r['layer_x_roofline']:5.2f} {r['experts_us']:10.1f} "
               f"{r['experts_x_roofline']:5.2f}")  # fmt: skip

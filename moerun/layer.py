@@ -195,10 +195,8 @@ class MoELayer:
         if x.shape[0] == 1:
             with trace.stage("plan", x.device):
                 plan = backend.token_plan(ids, weights, self.name)
-            with trace.stage("experts", x.device):
-                rows = backend.token_rows(x[0], plan, self.experts, spec.activation)  # [k, H] fp32
-            with trace.stage("combine", x.device):
-                out = backend.combine_token(rows)[None]  # [1, H] fp32
+            with trace.stage("experts", x.device):  # the experts and their ordered sum
+                out = backend.token_forward(x[0], plan, self.experts, spec.activation)[None]  # [1, H] fp32
         else:
             with trace.stage("plan", x.device):
                 plan = backend.batch_plan(ids, weights, spec.num_experts)

@@ -43,7 +43,7 @@ def test_gpu_kernel_bench_prints_its_table_and_writes_figures(tmp_path):
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     figures = json.loads(out.read_text())
-    assert len(figures["decode"]) == 3 and len(figures["prefill"]) == 3
+    assert len(figures["decode"]) == 5 and len(figures["prefill"]) == 3
     for row in figures["decode"]:
         assert row["roofline_us"] > 0 and row["layer_us"] > 0 and row["experts_us"] > 0
         assert f"{row['shape']} {row['format']}" in run.stdout

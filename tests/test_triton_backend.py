@@ -236,3 +236,16 @@ def test_graphed_step_runs_eagerly_off_cuda():
         out = step.run(x=torch.full((3,), value), w=torch.arange(3.0))
         assert torch.equal(out, torch.arange(3.0) * value)
     assert step.graph is None
+
+
+def test_integer_decode_path_on_q8_1_activations(monkeypatch):
+    """With USE_Q8_1 the k-quant decode multiplies integer quants with q8_1 activations: close to the
+    float path (the activations are rounded to 8 bits per block of 32)."""
+    from moerun.backends import triton_backend
+
+    x = torch.randn(1, QH, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    exact = _quantised_layer("q4_k", "q6_k", "triton")(x)
+    monkeypatch.setattr(triton_backend, "USE_Q8_1", True)
+    rounded = _quantised_layer("q4_k", "q6_k", "triton")(x)
+    assert not torch.equal(exact, rounded)
+    assert rel_err(rounded.cpu(), exact.cpu()) <= 2e-2

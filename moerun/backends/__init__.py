@@ -1,7 +1,7 @@
-"""Backends: modules with the same functions (`batch_plan`, `token_plan`, `expert_rows`, `combine`,
-`token_rows`, `combine_token`, `shared_expert`) and signatures. `torch` is the reference and the CPU path;
-`triton` is the GPU path (moerun.kernels), which also runs on CPU tensors in triton's interpreter
-(`TRITON_INTERPRET=1`), as the tests run it."""
+"""Backends: modules with the same functions and signatures: `batch_plan`, `expert_rows`,
+`combine` for prefill; `token_plan`, `token_forward` for decode; `shared_expert`. `torch` is the
+reference and the CPU path; `triton` is the GPU path (moerun.kernels), which also runs on CPU
+tensors in triton's interpreter (`TRITON_INTERPRET=1`), as the tests run it."""
 
 from __future__ import annotations
 

@@ -83,6 +83,11 @@ def combine_token(rows: torch.Tensor) -> torch.Tensor:
     return rows.sum(dim=0)
 
 
+def token_forward(x: torch.Tensor, plan: TokenPlan, experts: ExpertWeights, act: Activation) -> torch.Tensor:
+    """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
+    return combine_token(token_rows(x, plan, experts, act))
+
+
 def shared_expert(x: torch.Tensor, t: Mapping[str, torch.Tensor], act: Activation) -> torch.Tensor:
     """x [T, H] -> the shared expert's output [T, H] fp32 (times sigmoid(x · gate) when gated)."""
     gate_up, down = t["shared.gate_up"], t["shared.down"]

@@ -29,6 +29,10 @@ from moerun.kernels.graph import GraphedStep
 from moerun.kernels.weights import FORMAT_CODES, KernelWeight, kernel_weight
 
 shared_expert = torch_backend.shared_expert
+# Decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q4_k, q6_k, mxfp4)
+# on q8_1 activations, as llama.cpp's mmvq does. Off until measured on a GPU: bench/gpu_kernels.py
+# times both paths.
+USE_Q8_1 = False
 STREAMS_PREFILL = False  # one grouped GEMM reads every touched expert at once
 
 
@@ -88,6 +92,7 @@ class _Prepared:
             )
         }
         self.graph: GraphedStep | None = None
+        self.use_q8_1 = USE_Q8_1
 
     def slots(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """int32 [k]: where each expert's weights are in the tensors the kernels read."""
@@ -104,17 +109,15 @@ class _Prepared:
                 "experts": torch.zeros(k, dtype=torch.int32, device=device),
                 "weights": torch.zeros(k, dtype=torch.float32, device=device),
             }
-            self.graph = GraphedStep(lambda **b: self._decode_rows(act=act, **b), buffers)
+            self.graph = GraphedStep(lambda **b: self._decode(act=act, **b), buffers)
         return self.graph
 
-    def _decode_rows(self, x, slots, experts, weights, act: Activation) -> torch.Tensor:
-        """The decode step's device work: x [H] -> weighted rows [k, H] fp32 (graph-capturable)."""
-        h = decode.gate_up_experts(
-            x, slots, experts, self.gate_up, self.experts.gate_up_bias, self.configs["decode_gate_up"]
-        )
-        a = decode.activate_weighted(h, weights, act)
-        return decode.down_experts(
-            a, slots, experts, self.down, self.experts.down_bias, weights, self.configs["decode_down"]
+    def _decode(self, x, slots, experts, weights, act: Activation) -> torch.Tensor:
+        """The decode step's device work: x [H] -> the weighted sum of its experts [H] fp32."""
+        config = {"gate_up": self.configs["decode_gate_up"], "down": self.configs["decode_down"]}
+        biases = (self.experts.gate_up_bias, self.experts.down_bias)
+        return decode.decode_step(
+            x, slots, experts, weights, self.gate_up, self.down, biases, act, self.use_q8_1, config
         )
 
 
@@ -165,15 +168,11 @@ def combine(rows: torch.Tensor, plan: DevicePlan, ws: Workspace) -> torch.Tensor
 
 
 # -------------------------------------------------------------------------------------- decode
-def token_rows(
+def token_forward(
     x: torch.Tensor, plan: DeviceTokenPlan, experts: ExpertWeights, act: Activation
 ) -> torch.Tensor:
-    """One token x [H] -> weighted outputs [k, H] fp32 of its experts, ascending."""
+    """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
     p = _prepared(experts, x.device)
     step = p.decode_graph(x.to(experts.dtype), plan.experts.numel(), act)
-    return step.run(x=x, slots=p.slots(plan.experts), experts=plan.experts, weights=plan.weights)
-
-
-def combine_token(rows: torch.Tensor) -> torch.Tensor:
-    """[k, H] fp32 -> [H] fp32, summed in plan order."""
-    return decode.sum_rows(rows)
+    out = step.run(x=x, slots=p.slots(plan.experts), experts=plan.experts, weights=plan.weights)
+    return out.clone()  # the graph's output buffer is rewritten by the next step

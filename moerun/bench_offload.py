@@ -159,7 +159,7 @@ def read_bandwidth(model: MoEModel, wave: int = 16) -> tuple[float, int]:
 def _expert_ranges(model: MoEModel) -> list[tuple[int, int]]:
     """Byte ranges of the checkpoint file holding the streamed experts."""
     sources = [s for srcs in model.expert_cache.store.sources.values() for s in srcs.values()]
-    return [(s.offset, s.offset + s.num_experts * s.stride) for s in sources]
+    return [(begin, end) for s in sources for _, begin, end in s.file_ranges()]
 
 
 def _offload_total(model: MoEModel) -> dict:

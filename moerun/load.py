@@ -5,14 +5,17 @@ Files are opened only through `moerun.loader`; family files map configs and name
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from moerun.backends import resolve_backend
 from moerun.layer import FP32_TENSORS
 from moerun.loader import CheckpointError, GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.loader.hf_config import read_hf_config
@@ -20,8 +23,11 @@ from moerun.model.config import ModelConfig
 from moerun.model.transformer import MoEModel, check_model_tensors
 from moerun.models import family
 from moerun.models.hf_checkpoint import canonical_tensors
-from moerun.offload import ExpertCache, ExpertStore, MappedFile
+from moerun.offload import CacheBudgetError, ExpertCache, ExpertStore, MappedFile
+from moerun.offload.budget import KV_RESERVE_TOKENS, auto_budget, free_device_memory
+from moerun.offload.pieces import stand_ins
 from moerun.quant.cache import DequantCache
+from moerun.quant.formats import QTensor
 from moerun.text.tokenizer import Tokenizer
 
 # streamed expert projections: left as the file has them (the expert store converts on read)
@@ -40,20 +46,28 @@ def hf_model_config(directory: Path) -> ModelConfig:
     return fam.model_config(config)
 
 
-def _hf_model(root: Path, dtype: torch.dtype, streamed: bool) -> tuple[ModelConfig, dict, list[MappedFile]]:
-    model_config = hf_model_config(root if root.is_dir() else root.parent)
-    checkpoint = SafetensorsCheckpoint(root)
-
+def _hf_model(
+    root: Path,
+    checkpoint: SafetensorsCheckpoint,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    streamed: bool,
+) -> tuple[dict, list[MappedFile]]:
     def release(name: str) -> None:
         if name in checkpoint:
             checkpoint.release(name)
 
     tensors, sources = canonical_tensors(
-        model_config.model_type, model_config, checkpoint.names(), checkpoint.tensor, release
+        model_config.model_type,
+        model_config,
+        checkpoint.names(),
+        checkpoint.tensor,
+        release,
+        assemble=not streamed,
     )
-    check_model_tensors(model_config, tensors, sources, where=str(root))
+    check_model_tensors(model_config, stand_ins(tensors), sources, where=str(root))
     files = [MappedFile(f.path, f.mapped) for f in checkpoint.shards]
-    return model_config, converted(tensors, sources, dtype, release, streamed), files
+    return converted(tensors, sources, dtype, release, streamed), files
 
 
 def converted(
@@ -102,31 +116,50 @@ def load(
     are placed."""
     if prefetch_k and expert_cache_gb is None:
         raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
-    streamed = expert_cache_gb is not None
     root = resolve_checkpoint(path)
-    if backend == "auto":
-        backend = "torch"
+    backend = resolve_backend(backend, torch.device(device))
+    gguf = checkpoint = None
     if root.is_file() and root.suffix == ".gguf":
-        from moerun.models.gguf_checkpoint import gguf_model
+        from moerun.models.gguf_checkpoint import gguf_model, gguf_model_config
 
         gguf = GGUFFile(root)
-        model_config, tensors = gguf_model(gguf)
+        model_config = gguf_model_config(gguf)
+    else:
+        directory = root if root.is_dir() else root.parent
+        model_config = hf_model_config(directory)
+        checkpoint = SafetensorsCheckpoint(root)
+    fit = None
+    if expert_cache_gb is None and (free := free_device_memory(torch.device(device))) is not None:
+        dense, experts = _gguf_bytes(gguf, dtype) if gguf is not None else _hf_bytes(checkpoint, dtype)
+        fit = auto_budget(free, dense, experts, _kv_reserve_bytes(model_config, dtype))
+        if fit.budget_bytes is not None:
+            expert_cache_gb = fit.budget_bytes / 2**30
+            print(f"moerun: {root}: {fit.describe()}", file=sys.stderr, flush=True)
+    streamed = expert_cache_gb is not None
+    if gguf is not None:
+        model_config, tensors = gguf_model(gguf, assemble=not streamed)
         files = [MappedFile(gguf.path, gguf.mapped)]
         has_tokenizer = "tokenizer.ggml.model" in gguf.metadata
         read = lambda: Tokenizer.from_gguf_metadata(gguf.metadata, source=str(root))  # noqa: E731
         tokenizer = _tokenizer(read) if has_tokenizer else None
     else:
-        model_config, tensors, files = _hf_model(root, dtype, streamed)
-        directory = root if root.is_dir() else root.parent
+        tensors, files = _hf_model(root, checkpoint, model_config, dtype, streamed)
         has_tokenizer = (directory / "tokenizer.json").is_file()
         tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory)) if has_tokenizer else None
     cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None
     expert_cache = None
     if streamed:
-        expert_cache = _expert_cache(model_config, tensors, files, dtype, device, expert_cache_gb)
+        try:
+            expert_cache = _expert_cache(model_config, tensors, files, dtype, device, expert_cache_gb)
+        except CacheBudgetError as err:
+            if fit is None:
+                raise
+            raise CacheBudgetError(
+                f"{root}: the model does not fit the device: {fit.describe()} {err}"
+            ) from None
     model = MoEModel(
         model_config,
-        tensors,
+        stand_ins(tensors),  # streamed experts: storage-free stand-ins; the expert store has the bytes
         dtype=dtype,
         device=device,
         backend=backend,
@@ -155,6 +188,40 @@ def _expert_cache(
     except BaseException:
         store.close()
         raise
+
+
+def _hf_bytes(checkpoint: SafetensorsCheckpoint, dtype: torch.dtype) -> tuple[int, int]:
+    """(dense, expert) bytes the model holds on its device, from the file's header: floating tensors
+    in `dtype`, the others (MXFP4 blocks) as stored."""
+    sizes = [0, 0]
+    for name in checkpoint.names():
+        stored = checkpoint.dtype(name)
+        size = dtype.itemsize if stored.is_floating_point else stored.itemsize
+        sizes[".experts." in name] += math.prod(checkpoint.shape(name)) * size
+    return sizes[0], sizes[1]
+
+
+def _gguf_bytes(gguf: GGUFFile, dtype: torch.dtype) -> tuple[int, int]:
+    """(dense, expert) bytes the model holds on its device: quantised experts as stored, every other
+    tensor dense in `dtype` (views of the file are made; nothing is read)."""
+    sizes = [0, 0]
+    for name in gguf.tensor_names():
+        t, expert = gguf.tensor(name), "_exps." in name
+        quantised = isinstance(t, QTensor) and expert
+        sizes[expert] += t.nbytes if quantised else math.prod(t.shape) * dtype.itemsize
+    return sizes[0], sizes[1]
+
+
+def _kv_reserve_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    tokens = min(KV_RESERVE_TOKENS, config.max_positions)
+    return (
+        2
+        * config.num_layers
+        * config.attention.kv_heads
+        * config.attention.head_dim
+        * tokens
+        * dtype.itemsize
+    )
 
 
 def _tokenizer(read: Callable[[], Tokenizer]) -> Tokenizer | None:

@@ -1,6 +1,8 @@
 """Whole models with expert streaming against the same models with every expert resident: logits
 bitwise equal (prefill and decode) for any cache that holds one token's experts, per family and
-format; the budget floor; prefetch; stats; and a checkpoint truncated under a running model."""
+format, with every expert read from the checkpoint file (never joined in RAM at load, whatever the
+layout: per-expert names, GGUF gate and up apart or fused, GPT-OSS MXFP4 blocks and scales); the
+budget floor; prefetch; stats; and a checkpoint truncated under a running model."""
 
 import re
 
@@ -13,19 +15,29 @@ import moerun
 from moerun.offload import CacheBudgetError, ExpertReadError
 
 CASES = {
-    "olmoe": lambda tmp: save_model(make_model("olmoe"), tmp / "olmoe"),
+    "olmoe-per-expert-names": lambda tmp: save_model(make_model("olmoe"), tmp / "olmoe"),
     "qwen2_moe-fused-names": lambda tmp: save_model(make_model("qwen2_moe"), tmp / "qwen2", False),
-    "gpt_oss": lambda tmp: save_model(make_model("gpt_oss"), tmp / "gpt_oss"),
+    "gpt_oss-transposed": lambda tmp: save_model(make_model("gpt_oss"), tmp / "gpt_oss"),
     "gpt_oss-mxfp4": lambda tmp: save_gpt_oss_mxfp4(
         make_model("gpt_oss", hidden_size=64, intermediate_size=32), tmp / "mxfp4"
     ),
-    "olmoe-gguf-q4_k": lambda tmp: _gguf(tmp / "olmoe.gguf"),
+    "olmoe-gguf-q4_k-gate-up-apart": lambda tmp: _gguf(tmp / "olmoe.gguf"),
+    "gpt_oss-gguf-mxfp4-interleaved": lambda tmp: _gpt_oss_gguf(tmp / "gpt_oss.gguf", experts="mxfp4"),
+    "gpt_oss-gguf-f32-gate-up-fused": lambda tmp: _gpt_oss_gguf(tmp / "gpt_oss.gguf", fuse_gate_up=True),
 }
 
 
 def _gguf(path):
     model = make_model("olmoe", hidden_size=256, intermediate_size=256, num_experts=4, num_hidden_layers=2)
     write_gguf(model, path, "q4_k")
+    return path
+
+
+def _gpt_oss_gguf(path, **layout):
+    """gpt-oss as llama.cpp stores it: gate and up experts apart (or fused, gate rows then up rows);
+    moerun interleaves their rows."""
+    model = make_model("gpt_oss", hidden_size=64, intermediate_size=32, swiglu_limit=7.0)
+    write_gguf(model, path, **layout)
     return path
 
 
@@ -64,6 +76,9 @@ def test_logits_with_any_cache_size_equal_all_resident(checkpoint, dtype):
     every = slot * resident.config.moe.num_experts * sum(resident.config.moe_layers)
     for budget in (floor_bytes, (floor_bytes + every) // 2, every):
         model = moerun.load(checkpoint, dtype=dtype, expert_cache_gb=budget / 2**30)
+        store = model.expert_cache.store
+        # every expert projection is read from the file, none joined or copied into RAM at load
+        assert all(all(store.file_backed(layer).values()) for layer in store.sources)
         assert model.expert_cache.num_slots == budget // slot
         assert torch.equal(model.logits(ids), want_prefill), budget
         assert torch.equal(_decode_logits(model, ids), want_decode), budget
@@ -88,7 +103,7 @@ def test_prefetch_changes_nothing_but_the_counters(checkpoint):
 
 
 def test_stats_per_step_and_in_total(tmp_path):
-    path = CASES["olmoe"](tmp_path)
+    path = CASES["olmoe-per-expert-names"](tmp_path)
     model = moerun.load(path, dtype=torch.float32, expert_cache_gb=1.0)  # holds every expert
     tokens = list(model.generate([1, 2, 3], max_new_tokens=4))
     stats = model.stats()["offload"]
@@ -104,7 +119,7 @@ def test_stats_per_step_and_in_total(tmp_path):
 
 def test_prefetch_needs_a_cache(tmp_path):
     with pytest.raises(ValueError, match="prefetch_k needs expert_cache_gb"):
-        moerun.load(CASES["olmoe"](tmp_path), prefetch_k=2)
+        moerun.load(CASES["olmoe-per-expert-names"](tmp_path), prefetch_k=2)
 
 
 def test_a_checkpoint_truncated_under_a_running_model_gives_a_clear_error(tmp_path):

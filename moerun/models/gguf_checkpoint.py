@@ -14,8 +14,9 @@ its config, as in OpenAI's reference code, vLLM and SGLang), so for gpt-oss the 
 Tensors: convert_hf_to_gguf.py permutes the q and k rows of `llama` models for ggml's interleaved
 RoPE (LlamaModel.permute); moerun rotates halves as transformers does, so they are permuted back
 (whole rows, so quantised bytes too). Gate and up experts are stored apart and fused here, gate rows
-then up rows, or interleaved row by row for GPT-OSS. Names that fit nothing are passed on as they
-are, so the model's check reports them as unexpected.
+then up rows, or interleaved row by row for GPT-OSS; with `assemble=False` (expert streaming) the
+expert ones are described instead (`ExpertPieces` over views of the file, read by the expert store).
+Names that fit nothing are passed on as they are, so the model's check reports them as unexpected.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from moerun.loader import CheckpointError, GGUFFile
 from moerun.model.config import ModelConfig
 from moerun.model.transformer import check_model_tensors
 from moerun.models import FAMILIES, family
+from moerun.offload.pieces import ExpertPieces, Piece, stand_ins
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
 
@@ -112,12 +114,14 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     )
 
 
-def gguf_model(gguf: GGUFFile) -> tuple[ModelConfig, dict[str, Tensor]]:
+def gguf_model(gguf: GGUFFile, assemble: bool = True) -> tuple[ModelConfig, dict[str, Tensor | ExpertPieces]]:
+    """The file's model config and canonical tensors; `assemble=False` leaves the routed gate/up
+    experts described (`ExpertPieces`) instead of fused in RAM."""
     model_config = gguf_model_config(gguf)
     arch = gguf.metadata["general.architecture"]
-    tensors = _canonical_tensors(gguf, arch, model_config)
+    tensors = _canonical_tensors(gguf, arch, model_config, assemble)
     try:
-        check_model_tensors(model_config, tensors)
+        check_model_tensors(model_config, stand_ins(tensors))
     except StateDictError as err:
         missing = [_gguf_names(k, arch) for k in model_config.tensor_shapes() if k not in tensors]
         where = f" In the GGUF file the missing tensors are {', '.join(missing[:40])}." if missing else ""
@@ -229,9 +233,11 @@ def _single(value, key: str, gguf: GGUFFile):
     return value
 
 
-def _canonical_tensors(gguf: GGUFFile, arch: str, config: ModelConfig) -> dict[str, Tensor]:
+def _canonical_tensors(
+    gguf: GGUFFile, arch: str, config: ModelConfig, assemble: bool = True
+) -> dict[str, Tensor | ExpertPieces]:
     layer_names = _GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER
-    tensors: dict[str, Tensor] = {}
+    tensors: dict[str, Tensor | ExpertPieces] = {}
     blocks: dict[int, dict[str, str]] = {}  # layer -> name inside the block -> file name
     for name in gguf.tensor_names():
         if m := _BLOCK.fullmatch(name):
@@ -250,10 +256,18 @@ def _canonical_tensors(gguf: GGUFFile, arch: str, config: ModelConfig) -> dict[s
             if gate in block and up in block:
                 interleave = arch == "gpt-oss" and canonical.startswith("moe.experts")
                 parts = [block.pop(gate), block.pop(up)]
-                tensors[prefix + canonical] = _fuse(gguf, parts, expert="exps" in gate, interleave=interleave)
+                describe = not assemble and canonical == "moe.experts.gate_up"
+                fuse = _described if describe else _fuse
+                tensors[prefix + canonical] = fuse(gguf, parts, expert="exps" in gate, interleave=interleave)
         for dim, rel in ((-2, "ffn_gate_up_exps.weight"), (-1, "ffn_gate_up_exps.bias")):
             if arch == "gpt-oss" and rel in block:  # stored fused as gate rows then up rows
-                tensors[prefix + layer_names[rel]] = _interleave_halves(gguf.tensor(block.pop(rel)), dim)
+                t = gguf.tensor(block.pop(rel))
+                if assemble or dim == -1:
+                    tensors[prefix + layer_names[rel]] = _interleave_halves(t, dim)
+                else:  # the halves described as gate and up experts
+                    half = t.shape[-2] // 2
+                    gate, up = _rows(t, 0, half), _rows(t, half, 2 * half)
+                    tensors[prefix + layer_names[rel]] = _gate_up_pieces(gate, up, interleave=True)
         for rel, name in block.items():
             canonical = layer_names.get(rel)
             tensors[prefix + canonical if canonical else name] = gguf.tensor(name)
@@ -270,10 +284,41 @@ def _canonical_tensors(gguf: GGUFFile, arch: str, config: ModelConfig) -> dict[s
     return tensors
 
 
-def _fuse(gguf: GGUFFile, names: list[str], expert: bool, interleave: bool) -> Tensor:
-    """gate [.., I, in] and up [.., I, in] (or biases [.., I]) -> [.., 2I, in]: gate rows then up rows,
-    or (interleave) gate row j at 2j and up row j at 2j + 1. Quantised parts stay quantised when they
-    share a format; expert parts must, the small dense MLPs are dequantised."""
+def _described(gguf: GGUFFile, names: list[str], expert: bool, interleave: bool) -> ExpertPieces:
+    """What `_fuse` would build for gate and up experts, described over views of the file."""
+    gate, up = _gate_and_up(gguf, names, expert)
+    return _gate_up_pieces(gate, up, interleave)
+
+
+def _gate_up_pieces(gate: Tensor, up: Tensor, interleave: bool) -> ExpertPieces:
+    """gate and up experts [E, I, in] as the pieces of gate_up [E, 2I, in]: gate rows then up rows, or
+    (interleave) gate row j at 2j and up row j at 2j + 1."""
+    rows = gate.shape[-2]
+    pieces = (
+        (Piece(_data(gate), row=0, step=2), Piece(_data(up), row=1, step=2))
+        if interleave
+        else (Piece(_data(gate)), Piece(_data(up), row=rows))
+    )
+    shape = (*gate.shape[:-2], 2 * rows, gate.shape[-1])
+    if isinstance(gate, QTensor):
+        return ExpertPieces(shape, torch.uint8, gate.format, pieces)
+    dtype = gate.dtype if gate.dtype == up.dtype else torch.float32  # as `_fuse` joins them
+    return ExpertPieces(shape, dtype, None, pieces)
+
+
+def _data(t: Tensor) -> torch.Tensor:
+    return t.data if isinstance(t, QTensor) else t
+
+
+def _rows(t: Tensor, begin: int, end: int) -> Tensor:
+    """Rows [begin, end) of every expert of [E, rows, in]."""
+    if isinstance(t, QTensor):
+        return QTensor(t.format, (*t.shape[:-2], end - begin, t.shape[-1]), t.data[..., begin:end, :])
+    return t[..., begin:end, :]
+
+
+def _gate_and_up(gguf: GGUFFile, names: list[str], expert: bool) -> tuple[Tensor, Tensor]:
+    """The gate and up tensors, checked to have the same shape and, for experts, the same format."""
     gate, up = (gguf.tensor(n) for n in names)
     if tuple(gate.shape) != tuple(up.shape):
         raise CheckpointError(
@@ -288,8 +333,16 @@ def _fuse(gguf: GGUFFile, names: list[str], expert: bool, interleave: bool) -> T
                 f"{gguf.path}: {names[0]} is {kinds[0]} but {names[1]} is {kinds[1]}; moerun fuses gate and "
                 "up experts into one tensor, so both must have the same type (requantise one of them)."
             )
-        gate, up, quantised = dequantize(gate), dequantize(up), False
-    if quantised:
+        gate, up = dequantize(gate), dequantize(up)
+    return gate, up
+
+
+def _fuse(gguf: GGUFFile, names: list[str], expert: bool, interleave: bool) -> Tensor:
+    """gate [.., I, in] and up [.., I, in] (or biases [.., I]) -> [.., 2I, in]: gate rows then up rows,
+    or (interleave) gate row j at 2j and up row j at 2j + 1. Quantised parts stay quantised when they
+    share a format; expert parts must, the small dense MLPs are dequantised."""
+    gate, up = _gate_and_up(gguf, names, expert)
+    if isinstance(gate, QTensor):
         data = _join(gate.data, up.data, dim=-2, interleave=interleave)
         fused = QTensor(gate.format, (*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1]), data)
     else:

@@ -1,12 +1,13 @@
 """ExpertStore: the bytes of one expert's projections for (layer, expert), read on demand.
 
-Each streamed projection of a layer is an `ExpertSource` over the canonical [E, ...] expert tensor
-the loader built. Where that tensor is a contiguous view of a memory-mapped checkpoint file (fused
-safetensors names, GGUF tensors stored as moerun runs them), expert e is read with `os.pread` from
-the file at its offset: only that expert's bytes are touched, the GIL is released while reading, and
-a file truncated under us gives a short read (a clear `ExpertReadError`) instead of a SIGBUS from
-the map. Where the loader had to build the tensor in RAM (per-expert names stacked, GGUF gate and
-up fused, GPT-OSS MXFP4 regrouped), expert e is copied from that host tensor.
+Each streamed projection of a layer is an `ExpertSource` over what the loader gave: the canonical
+[E, ...] expert tensor, or an `ExpertPieces` (moerun.offload.pieces) describing how expert e joins
+from pieces of stored tensors (per-expert names, GGUF gate and up, GPT-OSS MXFP4 blocks and scales)
+that were never joined in RAM. Whatever is a contiguous view of a memory-mapped checkpoint file is
+read with `os.preadv` from the file at its offset: only that expert's bytes are touched, the GIL is
+released while reading, and a file truncated under us gives a short read (a clear
+`ExpertReadError`) instead of a SIGBUS from the map. What is only in RAM (a converted model) is
+copied from there.
 
 Dense projections are converted to the compute dtype on read when the file stores another dtype,
 so a slot always holds exactly what the resident model would compute with. An optional host-RAM
@@ -20,16 +21,28 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces
 from moerun.quant.formats import QFormat, QTensor
 
 Key = tuple[str, int]  # (layer name, expert id)
+try:
+    _IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers one preadv call may scatter into
+except (AttributeError, OSError, ValueError):
+    _IOV_MAX = 1024
+_IOV_MAX = _IOV_MAX if _IOV_MAX > 0 else 1024
+# An expert's reads of at least two chunks are cut into chunks read at once on IO_THREADS threads.
+# Measured on the offload bench's OLMoE experts (12 MiB, cold page cache, 8 misses a layer on 4
+# readers): 4 MiB x 8 threads fetched 0.87-0.95 GB/s against 0.63-0.72 GB/s unsplit; 1-2 MiB
+# chunks or 16 threads were no better, 8 MiB (experts left whole) no different from unsplit.
+READ_CHUNK_BYTES = 4 * 2**20
+IO_THREADS = 8
 PROJECTIONS = ("gate_up", "down")
 
 
@@ -66,52 +79,202 @@ Layout = tuple[Part, ...]
 
 
 class ExpertSource:
-    """One projection of one layer's experts: `read_into(e, dest)` fills dest with expert e."""
+    """One projection of one layer's experts: `read_into(e, dest, files, where)` fills dest with expert e.
+
+    The projection is an `ExpertPieces` (a plain [E, ...] tensor or QTensor is the one-piece case).
+    Each piece's share of expert e that is a contiguous view of a mapped checkpoint file is read from
+    the file with `os.preadv`: straight into the slot's rows when the bytes land as stored (rows
+    `row, row + step, ...` as one scatter read), else into a staging buffer that a torch op puts in
+    place (dtype conversion, transposition, MXFP4 regrouping). A share that is not in a file (a
+    tensor the loader built in RAM) is copied from memory by the same recipe."""
 
     def __init__(
-        self, weight: torch.Tensor | QTensor, name: str, dtype: torch.dtype, files: Sequence[MappedFile]
+        self,
+        weight: torch.Tensor | QTensor | ExpertPieces,
+        name: str,
+        dtype: torch.dtype,
+        files: Sequence[MappedFile],
     ):
-        quantised = isinstance(weight, QTensor)
-        self.tensor = weight.data if quantised else weight  # [E, out, in] or [E, out, row_bytes]
+        self.pieces = weight if isinstance(weight, ExpertPieces) else ExpertPieces.of(weight)
+        quantised = self.pieces.format is not None
         slot_dtype = torch.uint8 if quantised else dtype
-        self.part = Part(name, slot_dtype, tuple(self.tensor.shape[1:]), weight.format if quantised else None)
-        self.num_experts = self.tensor.shape[0]
-        self.source_bytes = self.tensor[0].numel() * self.tensor.element_size()  # one expert as stored
-        self.file: Path | None = None
-        self.offset = self.stride = 0
-        for f in files:  # a contiguous view of a mapped file is read from the file itself
-            base, size = f.data.data_ptr(), f.data.numel()
-            ptr = self.tensor.data_ptr()
-            if self.tensor.is_contiguous() and base <= ptr < base + size:
-                self.file, self.offset = f.path, ptr - base
-                self.stride = self.source_bytes
-                break
+        self.part = Part(name, slot_dtype, self.pieces.slot_shape(), self.pieces.format)
+        self.num_experts = self.pieces.num_experts
+        _check_fit(self.pieces, self.part, name)
+        # per piece, per expert: (file, offset) of its bytes, or None (not a view of a mapped file)
+        self.where = [_locate(piece.views, self.num_experts, files) for piece in self.pieces.pieces]
+        self.source_bytes = sum(p.views[0].numel() * p.views[0].element_size() for p in self.pieces.pieces)
+        self.files = {loc[0] for per_expert in self.where for loc in per_expert if loc is not None}
 
-    def read_into(self, e: int, dest: torch.Tensor, fd: int | None, where: str) -> int:
-        """Expert e into `dest` (a host tensor of `part`'s dtype and shape); returns bytes read."""
-        if self.file is None:
-            dest.copy_(self.tensor[e])
+    def file_ranges(self) -> list[tuple[Path, int, int]]:
+        """(file, begin, end) of every piece of every expert read from a file."""
+        pieces = self.pieces.pieces
+        return [
+            (loc[0], loc[1], loc[1] + p.views[0].numel() * p.views[0].element_size())
+            for p, per_expert in zip(pieces, self.where, strict=True)
+            for loc in per_expert
+            if loc is not None
+        ]
+
+    @property
+    def file_backed(self) -> bool:
+        """Whether every expert's bytes are read from the checkpoint file(s)."""
+        return all(loc is not None for per_expert in self.where for loc in per_expert)
+
+    def read_into(self, e: int, dest: torch.Tensor, files: FileReader, where: str) -> int:
+        """Expert e into `dest` (a contiguous host tensor of `part`'s dtype and shape); returns the
+        bytes read from the source."""
+        pieces = self.pieces.pieces
+        if self.pieces.join == MXFP4_GPT_OSS:  # (blocks [out, n/32, 16], scales [out, n/32])
+            blocks, scales = (self._staged(i, e, files, where) for i in range(2))
+            grouped = dest.view(*scales.shape, 17)  # each block: its scale byte, then its 16 bytes
+            grouped[..., 0] = scales
+            grouped[..., 1:] = blocks
             return self.source_bytes
-        same = self.tensor.dtype == dest.dtype
-        target = dest if same else torch.empty(self.tensor.shape[1:], dtype=self.tensor.dtype)
-        buf = target.view(-1).view(torch.uint8).numpy()
-        begin = self.offset + e * self.stride
-        done = 0
-        try:
-            while done < self.source_bytes:
-                n = os.preadv(fd, [memoryview(buf)[done:]], begin + done)
-                if n == 0:
-                    size = os.fstat(fd).st_size
-                    raise ExpertReadError(
-                        f"{self.file}: {where} needs bytes [{begin}, {begin + self.source_bytes}) but the "
-                        f"file now ends at {size}; it was truncated or replaced while moerun was running."
-                    )
-                done += n
-        except OSError as err:
-            raise ExpertReadError(f"{self.file}: reading {where} failed ({err}).") from err
-        if not same:
-            dest.copy_(target)  # dtype conversion, elementwise: bitwise what the resident model has
+        for i, piece in enumerate(pieces):
+            loc, view = self.where[i][e], piece.views[e]
+            if loc is not None and not piece.transposed and view.dtype == dest.dtype:
+                row_bytes = dest[0].numel() * dest.element_size()
+                flat = memoryview(dest.view(-1).view(torch.uint8).numpy())
+                starts = [piece.row] if piece.step == 1 else range(piece.row, dest.shape[0], piece.step)
+                n = piece.rows if piece.step == 1 else 1
+                buffers = [flat[r * row_bytes : (r + n) * row_bytes] for r in starts][: piece.rows]
+                files.read(loc[0], loc[1], buffers, where)
+                continue
+            src = self._staged(i, e, files, where)
+            target = dest[piece.row :: piece.step][: piece.rows]
+            target.copy_(src.transpose(-1, -2) if piece.transposed else src)  # elementwise conversion
         return self.source_bytes
+
+    def _staged(self, i: int, e: int, files: FileReader, where: str) -> torch.Tensor:
+        """Expert e's share of piece i as stored: read from its file into a fresh buffer, or the view."""
+        loc, view = self.where[i][e], self.pieces.pieces[i].views[e]
+        if loc is None:
+            return view
+        buf = torch.empty(view.shape, dtype=view.dtype)
+        files.read(loc[0], loc[1], [memoryview(buf.view(-1).view(torch.uint8).numpy())], where)
+        return buf
+
+
+def _check_fit(pieces: ExpertPieces, part: Part, name: str) -> None:
+    """Each piece's rows fit the slot, with the slot's row length (a loader bug otherwise)."""
+    out, cols = part.shape
+    for piece in pieces.pieces if pieces.join != MXFP4_GPT_OSS else ():
+        stored = tuple(piece.views[0].shape)
+        length = stored[0] if piece.transposed else stored[-1]
+        if len(stored) != 2 or length != cols or piece.row + piece.step * (piece.rows - 1) >= out:
+            raise ValueError(
+                f"{name}: a piece of one expert stored {stored} (from row {piece.row}, every {piece.step}) "
+                f"does not fit a slot of {tuple(part.shape)}."
+            )
+
+
+def _locate(
+    views: Sequence[torch.Tensor], num_experts: int, files: Sequence[MappedFile]
+) -> list[tuple[Path, int] | None]:
+    """Per expert, (file, offset) of `views[e]` when it is a contiguous view of a mapped file."""
+
+    def find(view: torch.Tensor) -> tuple[Path, int] | None:
+        if not view.is_contiguous():
+            return None
+        ptr, n = view.data_ptr(), view.numel() * view.element_size()
+        for f in files:
+            base, size = f.data.data_ptr(), f.data.numel()
+            if base <= ptr and ptr + n <= base + size:
+                return f.path, ptr - base
+        return None
+
+    if isinstance(views, torch.Tensor):  # one [E, ...] tensor: expert e at a fixed stride
+        first, last = find(views[0]), find(views[num_experts - 1])
+        if first is None or last is None or first[0] != last[0]:
+            return [None] * num_experts
+        stride = views.stride(0) * views.element_size()
+        return [(first[0], first[1] + e * stride) for e in range(num_experts)]
+    return [find(views[e]) for e in range(num_experts)]
+
+
+class FileReader:
+    """The checkpoint files, open for reading, and a pool that reads one long range as several
+    chunks at once: one expert's read alone keeps several requests in flight, which a disk (and a
+    virtual one more so) needs to approach its bandwidth; misses read on `readers` threads each."""
+
+    def __init__(self, paths: Iterable[Path], chunk_bytes: int = READ_CHUNK_BYTES, threads: int = IO_THREADS):
+        self.fds: dict[Path, int] = {}
+        try:
+            for path in sorted(set(paths)):
+                self.fds[path] = os.open(path, os.O_RDONLY)
+        except OSError:
+            self.close()
+            raise
+        self.chunk_bytes = chunk_bytes
+        use_pool = chunk_bytes > 0 and threads > 0 and self.fds
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="moerun-expert-io") if use_pool else None
+
+    def read(self, path: Path, offset: int, buffers: list[memoryview], where: str) -> None:
+        """Fill `buffers` from `path`'s contiguous range at `offset` (chunks of it in parallel)."""
+        fd = self.fds[path]
+        total = sum(len(b) for b in buffers)
+        if self._pool is None or total < 2 * self.chunk_bytes:
+            _pread(fd, buffers, offset, path, where)
+            return
+        chunks = _chunks(buffers, self.chunk_bytes)
+        futures = [self._pool.submit(_pread, fd, bufs, offset + at, path, where) for at, bufs in chunks[1:]]
+        try:
+            _pread(fd, chunks[0][1], offset, path, where)
+        finally:
+            errors = [f.exception() for f in futures]  # every chunk lands (or fails) before we return
+        for err in errors:
+            if err is not None:
+                raise err
+
+    def close(self) -> None:
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=True)
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _chunks(buffers: list[memoryview], size: int) -> list[tuple[int, list[memoryview]]]:
+    """`buffers` (filled in order from one range) cut into (offset in the range, buffers) of `size`
+    bytes each, the last one shorter."""
+    chunks: list[tuple[int, list[memoryview]]] = [(0, [])]
+    at, room = 0, size
+    for buf in (b.cast("B") for b in buffers):
+        while len(buf):
+            if room == 0:
+                chunks.append((at, []))
+                room = size
+            piece, buf = buf[:room], buf[room:]
+            chunks[-1][1].append(piece)
+            at += len(piece)
+            room -= len(piece)
+    return chunks
+
+
+def _pread(fd: int, buffers: list[memoryview], offset: int, path: Path, where: str) -> None:
+    """Fill `buffers` from the file's contiguous range at `offset` (`os.preadv` scatters it, at most
+    IOV_MAX buffers a call); a short read means the file shrank under us."""
+    total = sum(len(b) for b in buffers)
+    pending, first, done = [b.cast("B") for b in buffers if len(b)], 0, 0
+    try:
+        while first < len(pending):
+            n = os.preadv(fd, pending[first : first + _IOV_MAX], offset + done)
+            if n == 0:
+                size = os.fstat(fd).st_size
+                raise ExpertReadError(
+                    f"{path}: {where} needs bytes [{offset}, {offset + total}) but the file now ends at "
+                    f"{size}; it was truncated or replaced while moerun was running."
+                )
+            done += n
+            while n:  # step past the filled buffers, trim a partly filled one
+                if n >= len(pending[first]):
+                    n -= len(pending[first])
+                    first += 1
+                else:
+                    pending[first], n = pending[first][n:], 0
+    except OSError as err:
+        raise ExpertReadError(f"{path}: reading {where} failed ({err}).") from err
 
 
 class HostTier:
@@ -149,23 +312,24 @@ class ExpertStore:
 
     def __init__(
         self,
-        layers: Mapping[str, Mapping[str, torch.Tensor | QTensor]],
+        layers: Mapping[str, Mapping[str, torch.Tensor | QTensor | ExpertPieces]],
         dtype: torch.dtype,
         files: Sequence[MappedFile] = (),
         readers: int = 4,
         host_budget_bytes: int = 0,
         pin: bool = False,
     ):
-        """`layers[name]` holds "gate_up" and "down" ([E, out, in] dense or QTensor); dense ones are
-        read into `dtype`. `files` are the checkpoint's mapped files, so views of them are read with
-        pread. `host_budget_bytes` > 0 adds the host-RAM tier (pinned buffers when `pin`)."""
+        """`layers[name]` holds "gate_up" and "down" ([E, out, in] dense, QTensor or ExpertPieces);
+        dense ones are read into `dtype`. `files` are the checkpoint's mapped files, so views of them
+        are read with preadv. `host_budget_bytes` > 0 adds the host-RAM tier (pinned buffers when `pin`)."""
         self.dtype = dtype
         self.sources = {
             layer: {p: ExpertSource(weights[p], p, dtype, files) for p in PROJECTIONS}
             for layer, weights in layers.items()
         }
-        paths = {s.file for srcs in self.sources.values() for s in srcs.values() if s.file is not None}
-        self._fds = {path: os.open(path, os.O_RDONLY) for path in paths}
+        self.files = FileReader(
+            path for srcs in self.sources.values() for s in srcs.values() for path in s.files
+        )
         self.host = HostTier(host_budget_bytes, pin) if host_budget_bytes > 0 else None
         self.pin = pin
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="moerun-expert-reader")
@@ -179,7 +343,7 @@ class ExpertStore:
 
     def file_backed(self, layer: str) -> dict[str, bool]:
         """Projection -> whether it is read from the file (False: from a host copy made at load)."""
-        return {p: s.file is not None for p, s in self.sources[layer].items()}
+        return {p: s.file_backed for p, s in self.sources[layer].items()}
 
     def read_into(self, key: Key, dests: Mapping[str, torch.Tensor]) -> int:
         """Expert `key`'s projections into host tensors `dests` (part name -> tensor); bytes read
@@ -203,9 +367,8 @@ class ExpertStore:
         layer, e = key
         total = 0
         for name, dest in dests.items():
-            src = self.sources[layer][name]
-            fd = self._fds.get(src.file) if src.file is not None else None
-            total += src.read_into(e, dest, fd, f"expert {e} of {layer}.experts.{name}")
+            where = f"expert {e} of {layer}.experts.{name}"
+            total += self.sources[layer][name].read_into(e, dest, self.files, where)
         return total
 
     def empty(self, layer: str, pin: bool = False) -> dict[str, torch.Tensor]:
@@ -226,9 +389,7 @@ class ExpertStore:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self.files.close()
 
     def __del__(self):
         with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to report to

@@ -195,6 +195,12 @@ class ExpertCache:
         slot = pool.table[key]
         return {name: buffer[slot] for name, buffer in pool.buffers.items()}
 
+    def pool_buffers(self, layer: str) -> dict[str, torch.Tensor]:
+        """projection -> the slot pool [S, ...] that holds `layer`'s experts (shared with the layers
+        of the same layout): slot s is `buffer[s]`. The buffers never move, so kernels (and CUDA
+        graphs) may index them by slot."""
+        return dict(self._pool_of[layer].buffers)
+
     def slot_table(self, layer: str) -> dict[int, int]:
         """expert -> slot for `layer`'s resident experts."""
         pool = self._pool_of[layer]

@@ -44,6 +44,19 @@ class LayerStream:
             self._fetch(group)
         return self.cache.tensors((self.layer, e))
 
+    def slot_ids(self, experts: torch.Tensor) -> torch.Tensor:
+        """int32 [k] on `experts`' device: the cache slot (in `cache.pool_buffers(layer)`) of each of
+        `experts`, which must all be fetched in the step's current group (a decode step's always are)."""
+        group = self._groups[self._current] if self._current is not None else []
+        table = self.cache.slot_table(self.layer)
+        ids = experts.tolist()
+        missing = [e for e in ids if e not in group]
+        if missing:
+            raise RuntimeError(
+                f"{self.layer}: experts {missing} are not fetched in this step's current group."
+            )
+        return torch.tensor([table[e] for e in ids], dtype=torch.int32, device=experts.device)
+
     def end(self) -> None:
         self._release()
         self._groups, self._group_of = [], {}

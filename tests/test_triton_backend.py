@@ -275,3 +275,16 @@ def test_streamed_decode_reads_experts_from_cache_slots(tmp_path):
     assert torch.equal(streamed.logits(ids.to(DEVICE)), torch_model.logits(ids.to(DEVICE)))
     offload = streamed.stats()["offload"]["total"]
     assert offload["misses"] > 0 and offload["hits"] + offload["misses"] >= 10 * resident.config.moe.top_k
+
+
+def test_a_dropped_layer_releases_its_prepared_kernel_state():
+    import gc
+
+    from moerun.backends import triton_backend
+
+    layer = _quantised_layer("q8_0", "q8_0", "triton")
+    layer(torch.randn(1, QH).to(DEVICE))
+    before = len(triton_backend._PREPARED)
+    del layer
+    gc.collect()
+    assert len(triton_backend._PREPARED) == before - 1

@@ -3,9 +3,10 @@
 Prefill: the plan is built on the device (no host read-back) and padded to the grouped GEMM's
 block; two grouped GEMMs dequantise the weights in the kernel, then one kernel sums each token's
 rows in slot order. Decode: one token's k experts through a slot table, four launches (gate/up of all
-k experts, activation times routing weight, down of all k experts, the ordered row sum); on CUDA the
-first three are captured in a CUDA graph per layer and replayed (moerun.kernels.graph). Experts
-streamed through the expert cache are read from their slots, so the same graph serves every token.
+k experts, activation times routing weight, down of all k experts, the ordered row sum), captured on
+CUDA in one CUDA graph per layer and replayed (moerun.kernels.graph). Streamed experts are read from
+the expert cache's slots, which never move, so the same graph serves every token; streamed prefill
+runs on the torch backend (see moerun.layer).
 
 Launch configs come from moerun.kernels.configs for each projection's shape, format and GPU. Layers
 whose formats the kernels cannot read (`unsupported`) are run by the torch backend instead.
@@ -26,7 +27,7 @@ from moerun.kernels import decode, grouped_gemm
 from moerun.kernels.configs import device_name, launch_config
 from moerun.kernels.device_plan import DevicePlan, build_device_plan
 from moerun.kernels.graph import GraphedStep
-from moerun.kernels.weights import FORMAT_CODES, KernelWeight, kernel_weight
+from moerun.kernels.weights import FORMAT_CODES, FORMAT_NAMES, KernelWeight, kernel_weight
 
 shared_expert = torch_backend.shared_expert
 # Decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q4_k, q6_k, mxfp4)
@@ -73,7 +74,8 @@ class _Prepared:
     """One layer's experts as the kernels read them, their launch configs and the decode graph."""
 
     def __init__(self, experts: ExpertWeights, device: torch.device):
-        self.experts = experts
+        # no reference to `experts` itself: it is the key of the weak map this object is a value of
+        self.biases = (experts.gate_up_bias, experts.down_bias)
         self.stream = experts.stream
         gpu = device_name(device)
         if self.stream is None:
@@ -83,7 +85,7 @@ class _Prepared:
             self.gate_up = _pool_weight(experts.gate_up, pools["gate_up"])
             self.down = _pool_weight(experts.down, pools["down"])
         self.configs = {
-            kernel: launch_config(kernel, _format_name(weight), weight.n, weight.k, gpu)
+            kernel: launch_config(kernel, FORMAT_NAMES[weight.fmt], weight.n, weight.k, gpu)
             for kernel, weight in (
                 ("prefill_gate_up", self.gate_up),
                 ("prefill_down", self.down),
@@ -115,14 +117,9 @@ class _Prepared:
     def _decode(self, x, slots, experts, weights, act: Activation) -> torch.Tensor:
         """The decode step's device work: x [H] -> the weighted sum of its experts [H] fp32."""
         config = {"gate_up": self.configs["decode_gate_up"], "down": self.configs["decode_down"]}
-        biases = (self.experts.gate_up_bias, self.experts.down_bias)
         return decode.decode_step(
-            x, slots, experts, weights, self.gate_up, self.down, biases, act, self.use_q8_1, config
+            x, slots, experts, weights, self.gate_up, self.down, self.biases, act, self.use_q8_1, config
         )
-
-
-def _format_name(weight: KernelWeight) -> str:
-    return next(name for name, code in FORMAT_CODES.items() if code == weight.fmt)
 
 
 def _pool_weight(weight, pool: torch.Tensor) -> KernelWeight:

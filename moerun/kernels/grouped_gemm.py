@@ -25,7 +25,7 @@ import triton.language as tl
 from moerun.activations import Activation
 from moerun.kernels.activation import activate, activation_args
 from moerun.kernels.device_plan import DevicePlan
-from moerun.kernels.weights import FORMAT_CODES, KernelWeight, load_weight_tile
+from moerun.kernels.weights import FORMAT_NAMES, KernelWeight, load_weight_tile
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor, get_format
 
@@ -320,7 +320,7 @@ def _dense_weight(weight: KernelWeight) -> torch.Tensor:
     """[E, n, k] fp32 values of a kernel weight, by moerun.quant's dequantiser."""
     if weight.data.dtype != torch.uint8:
         return weight.data.float()
-    name = next(name for name, code in FORMAT_CODES.items() if code == weight.fmt)
+    name = FORMAT_NAMES[weight.fmt]
     return dequantize(QTensor(get_format(name), (weight.data.shape[0], weight.n, weight.k), weight.data))
 
 

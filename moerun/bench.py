@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moerun.backends import resolve_backend
 from moerun.layer import MoELayer
 from moerun.models import family
 from moerun.models.moe_block import export
@@ -68,7 +69,9 @@ SHAPES = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
-def random_layer(shape: BenchShape, dtype: torch.dtype, device: str, seed: int = 0) -> MoELayer:
+def random_layer(
+    shape: BenchShape, dtype: torch.dtype, device: str, seed: int = 0, backend: str = "torch"
+) -> MoELayer:
     """A layer of `shape` with uniform random weights scaled like a trained model's (unit-ish outputs)."""
     spec = family(shape.model_type).moe_spec(shape.config)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -79,7 +82,7 @@ def random_layer(shape: BenchShape, dtype: torch.dtype, device: str, seed: int =
         router = name.startswith("router.")
         tensor = torch.empty(dims, dtype=torch.float32 if router else dtype, device=device)
         tensors[name] = tensor.uniform_(-bound, bound, generator=gen)
-    return MoELayer(spec, tensors, name=f"bench.{shape.model_type}")
+    return MoELayer(spec, tensors, name=f"bench.{shape.model_type}", backend=backend)
 
 
 def quantised_layer(
@@ -100,7 +103,9 @@ def quantised_layer(
         repeats = -(-weight.shape[0] // distinct)
         data = sample.data.repeat(repeats, 1, 1)[: weight.shape[0]].contiguous()
         tensors[key] = QTensor(sample.format, tuple(weight.shape), data)
-    return MoELayer(dense.spec, tensors, name=dense.name, dtype=dense.dtype, dequant_cache=cache)
+    return MoELayer(
+        dense.spec, tensors, name=dense.name, dtype=dense.dtype, dequant_cache=cache, backend=dense.backend
+    )
 
 
 def copy_bandwidth(device: str, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -163,6 +168,7 @@ def run_bench(
     shape: BenchShape | None = None,
     formats: dict[str, str] | None = None,
     dequant_cache_gb: float = 0.0,
+    backend: str = "auto",
     log: Callable[[str], None] = lambda s: None,
 ) -> dict:
     """Run the benchmark and return its figures (see the module docstring).
@@ -172,8 +178,9 @@ def run_bench(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = shape or SHAPES[shape_name]
     torch_dtype = DTYPES[dtype]
-    log(f"building a random {shape_name} layer ({dtype}, {device})")
-    layer = random_layer(shape, torch_dtype, device)
+    backend = resolve_backend(backend, torch.device(device))
+    log(f"building a random {shape_name} layer ({dtype}, {device}, {backend} backend)")
+    layer = random_layer(shape, torch_dtype, device, backend=backend)
     spec = layer.spec
     gen = torch.Generator(device=device).manual_seed(1)
     x_prefill = torch.randn(prefill_tokens, spec.hidden, generator=gen, device=device).to(torch_dtype)
@@ -183,6 +190,7 @@ def run_bench(
         "shape": shape_name,
         "dtype": dtype,
         "device": device,
+        "backend": backend,
         "threads": torch.get_num_threads(),
         "prefill_tokens": prefill_tokens,
         "top_k": spec.top_k,
@@ -235,7 +243,8 @@ def run_bench(
 def format_table(r: dict) -> str:
     gb = 1e9
     lines = [
-        f"moerun bench  shape={r['shape']}  dtype={r['dtype']}  device={r['device']}  threads={r['threads']}"
+        f"moerun bench  shape={r['shape']}  dtype={r['dtype']}  device={r['device']}  "
+        f"backend={r['backend']}  threads={r['threads']}"
         + (f"  formats={r['formats']}" if r.get("formats") else ""),
         f"  experts={r['num_experts']} top_k={r['top_k']}  bytes/expert={r['expert_bytes'] / 2**20:.1f} MiB",
         f"  copy bandwidth (read+write)       {r['copy_bytes_per_s'] / gb:8.1f} GB/s",

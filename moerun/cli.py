@@ -47,6 +47,7 @@ def _bench(args: argparse.Namespace) -> int:
         formats=_formats(args),
         dequant_cache_gb=args.dequant_cache_gb,
         peer_impl=args.peer_impl,
+        backend=args.backend,
         log=log,
     )
     print(json.dumps(results) if args.json else format_table(results))
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shape", choices=sorted(SHAPES), default="olmoe")
     bench.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    bench.add_argument(
+        "--backend", choices=["auto", "torch", "triton"], default="auto", help="auto: triton on CUDA"
+    )
     bench.add_argument("--prefill-tokens", type=int, default=512)
     bench.add_argument("--decode-steps", type=int, default=32)
     bench.add_argument(

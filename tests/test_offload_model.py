@@ -135,3 +135,38 @@ def test_a_checkpoint_truncated_under_a_running_model_gives_a_clear_error(tmp_pa
         for _ in range(5):  # two slots for four experts: the cache must reload soon
             model.logits(torch.randint(0, VOCAB, (1, 6)))
     model.close()
+
+
+def test_prefetch_of_a_perfectly_predictable_model_turns_every_miss_into_a_hit(tmp_path):
+    """Prediction itself, checked where its answer is known: with attention and expert outputs zero
+    the hidden state never changes, and with every layer's router and norm equal, the next layer's
+    router on the current hidden state picks exactly the experts that layer will ask for. Then every
+    expert of the layers after the first is prefetched (no miss there, none wasted), where the same
+    run without prefetch misses them."""
+    hf = make_model("olmoe", num_experts=8, num_experts_per_tok=2)
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if name.endswith(("self_attn.o_proj.weight", "mlp.experts.down_proj")):
+                tensor.zero_()
+            if ".layers." in name and not name.startswith("model.layers.0."):
+                first = re.sub(r"\.layers\.\d+\.", ".layers.0.", name)
+                if name.endswith(("mlp.gate.weight", "post_attention_layernorm.weight")):
+                    tensor.copy_(state[first])
+    path = save_model(hf, tmp_path / "predictable")
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    _, floor = _minimum_gb(path, torch.float32)
+    layers, k = hf.config.num_hidden_layers, hf.config.num_experts_per_tok
+    runs = {}
+    for prefetch in (None, k):
+        # room for two tokens' experts per layer: the prefetched ones next to those still pinned
+        model = moerun.load(path, dtype=torch.float32, expert_cache_gb=2 * floor / 2**30, prefetch_k=prefetch)
+        _decode_logits(model, ids)
+        runs[prefetch] = model.stats()["offload"]["total"]
+        model.close()
+    without, with_prefetch = runs[None], runs[k]
+    assert with_prefetch["prefetch_wasted"] == 0
+    assert with_prefetch["prefetch_used"] == with_prefetch["prefetch_issued"] > 0
+    # layer 0 is never predicted, so its misses stay; every later layer's misses are prefetched
+    assert with_prefetch["misses"] + with_prefetch["prefetch_used"] == without["misses"]
+    assert with_prefetch["misses"] < without["misses"] and layers > 1

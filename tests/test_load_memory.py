@@ -98,7 +98,9 @@ def test_streaming_per_expert_names_never_holds_the_experts(tmp_path):
     )
     peak = int(out.stdout.split()[-1])
     # the dense part (twice: mapped, then copied off the map), the cache, and slack for the first
-    # forward (measured: ~33 MiB); stacking the experts would add their 192 MiB
-    bound = 2 * (model_bytes - expert_bytes) + cache_bytes + 64 * 2**20
-    assert bound < 0.75 * model_bytes < bound + expert_bytes
+    # forward (measured: 33 MiB in one venv, 70 MiB in a fresh one with the same packages);
+    # stacking the experts would add their 192 MiB on top of the dense part
+    dense = model_bytes - expert_bytes
+    bound = 2 * dense + cache_bytes + 96 * 2**20
+    assert bound < 2 * dense + expert_bytes  # the bound can tell the two apart
     assert peak <= bound, f"peak RSS above baseline {peak / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"

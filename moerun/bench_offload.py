@@ -5,7 +5,10 @@ One run measures: the RAM copy bandwidth and the store's own file -> RAM read ba
 file's pages dropped from the page cache first, then again with them cached); decode with every
 needed expert missing (a cache of top_k slots); decode tokens/s, hit rate, fetch throughput and
 prefetch recall and waste at caches of 25/50/75/100% of the experts, each with prefetch off and
-with prefetch_k = top_k; and the fully resident model. Every streamed run decodes the same prompt
+with prefetch_k = top_k, and at 50% again with the page cache dropped before every step (reads
+wait on the disk, not on memory copies); and the fully resident model. `--predictable` writes a
+checkpoint whose routing the next layer's router predicts exactly, to measure prefetch when its
+predictions are right. Every streamed run decodes the same prompt
 and tokens as the resident model, step for step in turns (so machine noise hits all alike), and its
 logits are checked bitwise against the resident model's.
 """
@@ -13,12 +16,10 @@ logits are checked bitwise against the resident model's.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
+import gc
 import json
 import os
 import struct
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import torch
 
 from moerun.bench import DTYPES, copy_bandwidth
 from moerun.bench_model import OLMOE as OLMOE_SHAPES
+from moerun.bench_pagecache import cached_fraction, drop_page_cache
 from moerun.load import load
 from moerun.model.transformer import MoEModel
 from moerun.offload import minimum_bytes
@@ -59,11 +61,16 @@ def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_checkpoint(directory: Path, layers: int, dtype: torch.dtype, shape: dict | None = None) -> Path:
+def write_checkpoint(
+    directory: Path, layers: int, dtype: torch.dtype, shape: dict | None = None, predictable: bool = False
+) -> Path:
     """A random OLMoE-shaped checkpoint (config.json + model.safetensors) in `directory`; `shape`
-    overrides OLMOE's values. Written one tensor (one expert) at a time with a small safetensors
-    writer of our own (the `safetensors` package is not a dependency), then fsynced so the page
-    cache holds no dirty pages that would resist being dropped."""
+    overrides OLMOE's values. `predictable`: attention and expert outputs zero (o_proj, down_proj)
+    and one router for every layer, so the hidden state never changes and the next layer's router on
+    the current hidden state predicts exactly the experts it will ask for (every miss of the layers
+    after the first). Written one tensor (one expert) at a time with a small safetensors writer of
+    our own (the `safetensors` package is not a dependency), then fsynced so the page cache holds no
+    dirty pages that would resist being dropped."""
     config = {"model_type": "olmoe", **OLMOE, **(shape or {}), "num_hidden_layers": layers}
     shapes = _tensor_shapes(config)
     size = torch.empty((), dtype=dtype).element_size()
@@ -82,9 +89,15 @@ def write_checkpoint(directory: Path, layers: int, dtype: torch.dtype, shape: di
     path = directory / "model.safetensors"
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
+        router = None
         for name, dims in shapes.items():
             if name.endswith("norm.weight"):
                 chunks = [torch.ones(dims)]
+            elif predictable and name.endswith(("o_proj.weight", "down_proj")):
+                chunks = [torch.zeros(dims)]
+            elif predictable and name.endswith("mlp.gate.weight"):
+                router = torch.randn(dims, generator=gen).mul_(0.02) if router is None else router
+                chunks = [router]
             elif "experts" in name:  # one expert at a time: [E, out, in] is E contiguous blocks
                 chunks = (torch.randn(dims[1:], generator=gen).mul_(0.02) for _ in range(dims[0]))
             else:
@@ -95,48 +108,6 @@ def write_checkpoint(directory: Path, layers: int, dtype: torch.dtype, shape: di
         os.fsync(f.fileno())
     (directory / "config.json").write_text(json.dumps(config))
     return directory
-
-
-# -- the page cache ------------------------------------------------------------------------------
-def drop_page_cache(path: Path) -> None:
-    """Ask the kernel to drop the file's clean cached pages (POSIX_FADV_DONTNEED). Pages some process
-    has mapped and touched stay (a resident model's experts), and so does the whole file where the
-    file system is memory itself (tmpfs); `cached_fraction` says what stayed."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _mincore():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).mincore
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return fn
-
-
-_MINCORE = _mincore()
-
-
-def cached_fraction(path: Path, ranges: list[tuple[int, int]]) -> float | None:
-    """The fraction of the pages of byte ranges [begin, end) of `path` in the page cache (mincore on
-    a fresh read-only map, which touches nothing); None where mincore is not available."""
-    if _MINCORE is None:
-        return None
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    page = os.sysconf("SC_PAGE_SIZE")
-    vec = np.zeros(-(-data.size // page), dtype=np.uint8)
-    if _MINCORE(data.ctypes.data, data.size, vec.ctypes.data) != 0:
-        return None
-    pages = np.concatenate([np.arange(b // page, -(-e // page)) for b, e in ranges])
-    fraction = float((vec[pages] & 1).mean())
-    del data
-    return fraction
 
 
 # -- measurements --------------------------------------------------------------------------------
@@ -237,22 +208,34 @@ def run_offload_bench(
     warmup_steps: int = 4,
     shape: dict | None = None,
     directory: str | os.PathLike | None = None,
+    predictable: bool = False,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict:
-    """Write the checkpoint (into `directory`, else a temporary one removed after) and measure."""
+    """Write the checkpoint (into `directory`, else a temporary one removed after) and measure.
+    `predictable`: the checkpoint's routing is predictable by construction (see write_checkpoint),
+    to measure what prefetch gains when its predictions are right."""
     with contextlib.ExitStack() as stack:
         if directory is None:
             directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="moerun-bench-offload-"))
         with torch.inference_mode():
             return _measure(
-                Path(directory), layers, dtype, prompt_tokens, decode_steps, warmup_steps, shape, log
+                Path(directory),
+                layers,
+                dtype,
+                prompt_tokens,
+                decode_steps,
+                warmup_steps,
+                shape,
+                predictable,
+                log,
             )
 
 
-def _measure(root, layers, dtype, prompt_tokens, decode_steps, warmup_steps, shape, log) -> dict:
+def _measure(root, layers, dtype, prompt_tokens, decode_steps, warmup_steps, shape, predictable, log) -> dict:
     torch_dtype = DTYPES[dtype]
-    log(f"writing a random {layers}-layer OLMoE-shaped checkpoint in {dtype} to {root}")
-    write_checkpoint(root, layers, torch_dtype, shape)
+    kind = "predictable-routing" if predictable else "random"
+    log(f"writing a {kind} {layers}-layer OLMoE-shaped checkpoint in {dtype} to {root}")
+    write_checkpoint(root, layers, torch_dtype, shape, predictable)
     path = root / "model.safetensors"
     config = json.loads((root / "config.json").read_text())
     k, E, V = config["num_experts_per_tok"], config["num_experts"], config["vocab_size"]
@@ -305,14 +288,32 @@ def _measure(root, layers, dtype, prompt_tokens, decode_steps, warmup_steps, sha
             models[name].close()
         del models, result
     resident_tok_s = len(FRACTIONS) * n / resident_s
+    del resident  # its map keeps the experts' pages cached: the cold runs need them gone
+    gc.collect()
+    log(f"decode at a cache of 50% of the experts, page cache dropped before every step: prefetch off, k={k}")
+    budget = round(0.5 * all_experts) * slot_bytes
+    models = {"off": streamed(budget), "on": streamed(budget, prefetch_k=k)}
+    result = race(models, prompt, tokens, warmup_steps, before_step=lambda: drop_page_cache(path))
+    cold_runs = []
+    for name, prefetch in (("off", 0), ("on", k)):
+        figures = _figures(result[name], n, read_per_load, None, models[name].expert_cache.num_slots)
+        cold_runs.append({"cache_fraction": 0.5, "prefetch_k": prefetch, **figures})
+        models[name].close()
+    del models, result
 
-    def run_at(fraction: float, prefetch: int) -> dict:
-        return next(r for r in runs if r["cache_fraction"] == fraction and r["prefetch_k"] == prefetch)
+    def run_at(fraction: float, prefetch: int, cold: bool = False) -> dict:
+        return next(
+            r
+            for r in runs
+            if r["cache_fraction"] == fraction
+            and r["prefetch_k"] == prefetch
+            and r.get("cold", False) == cold
+        )
 
     miss_cold = all_miss_cold["miss_fetch_bytes_per_s"]
     miss_warm = all_miss_warm["miss_fetch_bytes_per_s"]
     return {
-        "model": f"olmoe-shaped, {layers} layers",
+        "model": f"olmoe-shaped, {layers} layers" + (", predictable routing" if predictable else ""),
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "checkpoint_bytes": path.stat().st_size,
@@ -336,9 +337,11 @@ def _measure(root, layers, dtype, prompt_tokens, decode_steps, warmup_steps, sha
             "all_miss_fetch_vs_file_warm": miss_warm / warm_bw if miss_warm else None,
             # > 1: prefetch pays at a 50% cache
             "prefetch_speedup_at_50": run_at(0.5, k)["tok_s"] / run_at(0.5, 0)["tok_s"],
+            "prefetch_speedup_at_50_cold": cold_runs[1]["tok_s"] / cold_runs[0]["tok_s"],
             # >= 0.95: a cache holding every expert costs (almost) nothing
             "full_cache_vs_resident": run_at(1.0, 0)["vs_resident"],
         },
+        "cold_runs": cold_runs,  # 50% cache, page cache dropped before every step: off, then on
         "same_logits_as_resident": all(r["same_logits"] for r in runs),
     }
 
@@ -376,19 +379,21 @@ def format_offload_table(r: dict) -> str:
     lines.append(
         "  cache  prefetch  slots    tok/s  vs resident  hit rate  miss GB/s  recall  waste  same logits"
     )
-    for run in r["runs"]:
+    for run in r["runs"] + r["cold_runs"]:
         prefetch = f"k={run['prefetch_k']}" if run["prefetch_k"] else "off"
+        vs_resident = f"{run['vs_resident']:10.2f}x" if "vs_resident" in run else f"{'(cold)':>11}"
         lines.append(
             f"  {100 * run['cache_fraction']:4.0f}%  {prefetch:>8}  {run['slots']:5d}  {run['tok_s']:7.2f}  "
-            f"{run['vs_resident']:10.2f}x  {_pct(run['hit_rate']):>8}  "
+            f"{vs_resident}  {_pct(run['hit_rate']):>8}  "
             f"{_gbs(run['miss_fetch_bytes_per_s']):>9}  {_pct(run['prefetch_recall']):>6}  "
-            f"{_pct(run['prefetch_waste']):>5}  {run['same_logits']}"
+            f"{_pct(run['prefetch_waste']):>5}  {run.get('same_logits', '-')}"
         )
     lines.append(f"  resident                 {r['resident_tok_s']:7.2f}")
     lines.append(
         "  targets: every expert missing >= 70% of file read: "
         f"{_pct(t['all_miss_fetch_vs_file_cold'])} cold, {_pct(t['all_miss_fetch_vs_file_warm'])} warm; "
-        f"prefetch at 50% > 1x: {t['prefetch_speedup_at_50']:.2f}x; "
+        f"prefetch at 50% > 1x: {t['prefetch_speedup_at_50']:.2f}x "
+        f"({t['prefetch_speedup_at_50_cold']:.2f}x cold); "
         f"100% cache >= 95% of resident: {_pct(t['full_cache_vs_resident'])}"
     )
     return "\n".join(lines)

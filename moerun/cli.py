@@ -20,7 +20,11 @@ def _bench(args: argparse.Namespace) -> int:
         from moerun.bench_offload import format_offload_table, run_offload_bench
 
         results = run_offload_bench(
-            layers=args.layers or 2, dtype=args.dtype, decode_steps=args.decode_steps, log=log
+            layers=args.layers or 2,
+            dtype=args.dtype,
+            decode_steps=args.decode_steps,
+            predictable=args.predictable,
+            log=log,
         )
         print(json.dumps(results) if args.json else format_offload_table(results))
         return 0
@@ -152,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--layers", type=int, help="with --model: decoder layers (default 4); with --offload: default 2"
+    )
+    bench.add_argument(
+        "--predictable",
+        action="store_true",
+        help="with --offload: routing the next layer's router predicts exactly (prefetch's best case)",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_bench)

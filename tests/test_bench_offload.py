@@ -9,12 +9,8 @@ import torch
 from hf_models import TINY_OLMOE
 from safetensors.torch import load_file
 
-from moerun.bench_offload import (
-    cached_fraction,
-    format_offload_table,
-    run_offload_bench,
-    write_checkpoint,
-)
+from moerun.bench_offload import format_offload_table, run_offload_bench, write_checkpoint
+from moerun.bench_pagecache import cached_fraction
 from moerun.load import load
 
 LAYERS, STEPS = 2, 6
@@ -84,3 +80,26 @@ def test_figures_are_present_and_sane(result):
     table = format_offload_table(result)
     assert "resident" in table and "targets" in table
     json.dumps(result)  # --json prints it
+
+
+def test_cold_runs_at_half_cache_are_reported(result):
+    off, on = result["cold_runs"]
+    assert (off["prefetch_k"], on["prefetch_k"]) == (0, TINY_OLMOE["num_experts_per_tok"])
+    assert off["tok_s"] > 0 and on["tok_s"] > 0 and off["prefetch_issued"] == 0
+    assert result["targets"]["prefetch_speedup_at_50_cold"] == on["tok_s"] / off["tok_s"]
+
+
+def test_predictable_checkpoint_makes_every_prefetch_count(tmp_path):
+    """The --predictable checkpoint: the next layer's router sees the hidden state that layer will
+    see, so nothing prefetched is wasted, and the later layers' misses become prefetch hits."""
+    write_checkpoint(tmp_path, LAYERS, torch.float32, TINY_OLMOE, predictable=True)
+    theirs = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(theirs["model.layers.0.mlp.gate.weight"], theirs["model.layers.1.mlp.gate.weight"])
+    assert not theirs["model.layers.1.mlp.experts.down_proj"].any()
+    r = run_offload_bench(
+        layers=LAYERS, dtype="fp32", prompt_tokens=16, decode_steps=STEPS, warmup_steps=2,
+        shape=TINY_OLMOE, predictable=True,
+    )  # fmt: skip
+    on = next(run for run in r["runs"] if run["cache_fraction"] == 0.5 and run["prefetch_k"])
+    assert on["prefetch_waste"] == 0.0 and on["prefetch_recall"] > 0.0
+    assert r["same_logits_as_resident"]

@@ -141,7 +141,8 @@ class MoEModel:
         for i, (attn, mlp) in enumerate(zip(self.attentions, self.mlps, strict=True)):
             x = x + attn(rms_norm(x, self.attn_norms[i], eps), cos_sin, cache.keys[i], cache.values[i], start)
             h = rms_norm(x, self.mlp_norms[i], eps)
-            if self.prefetch_k and self.expert_cache is not None and i in self._next_moe:
+            prefetch = self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching
+            if prefetch and i in self._next_moe:
                 x = x + mlp(h, after_fetch=functools.partial(self._prefetch, self._next_moe[i], x))
             else:
                 x = x + mlp(h)

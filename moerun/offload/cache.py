@@ -29,6 +29,7 @@ import torch
 from moerun.offload.policy import POLICIES, EvictionPolicy
 from moerun.offload.stats import OffloadStats
 from moerun.offload.store import ExpertStore, Key, Layout
+from moerun.offload.throttle import PrefetchThrottle
 
 
 class CacheBudgetError(ValueError):
@@ -107,6 +108,8 @@ class ExpertCache:
             self._pools[layout] = pool
             self._pool_of.update(dict.fromkeys(names, pool))
         self.stats = OffloadStats()
+        self.throttle = PrefetchThrottle()  # pauses prefetch while its predictions go unused
+        self.prefetching = True  # this step: the model prefetches (see begin_step)
         self.last_step = OffloadStats()
         self._step_start = OffloadStats()
         self._lock = threading.Lock()  # reader threads add bytes_read
@@ -292,6 +295,8 @@ class ExpertCache:
     # -- steps, stats and checks ---------------------------------------------------------------
     def begin_step(self) -> None:
         self._step_start = self.stats.copy()
+        self.prefetching = self.throttle.allow(self.stats)
+        self.stats.prefetch_paused += not self.prefetching
 
     def end_step(self) -> None:
         self.stats.steps += 1

@@ -17,6 +17,7 @@ class OffloadStats:
     prefetch_issued: int = 0  # loads started by prediction
     prefetch_used: int = 0  # prefetched experts requested before being evicted
     prefetch_wasted: int = 0  # prefetched experts evicted without being requested
+    prefetch_paused: int = 0  # steps with prefetching paused, as too few of its predictions were used
     steps: int = 0  # model forward passes
 
     def __sub__(self, other: OffloadStats) -> OffloadStats:

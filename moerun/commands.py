@@ -88,6 +88,8 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
 
 def summary(stats: dict) -> str:
     parts = [f"prompt {stats.get('prompt_tokens', 0)} tokens"]
+    if stats.get("reused_tokens"):
+        parts[-1] += f", {stats['reused_tokens']} reused"
     if "prefill_tok_s" in stats:
         parts[-1] += f" ({stats['prefill_tok_s']:.1f} tok/s prefill)"
     parts.append(f"generated {stats.get('new_tokens', 0)} tokens")
@@ -167,8 +169,10 @@ def run_chat(
         messages.append({"role": "user", "content": line})
         reply = []
         try:
+            prompt = model.tokenizer.encode_chat(messages)
+            # each turn repeats the conversation: only what is new since the last turn is prefilled
             for token in model.generate(
-                model.tokenizer.encode_chat(messages), max_new_tokens=args.max_tokens, **_sampling(args)
+                prompt, max_new_tokens=args.max_tokens, reuse_prefix=True, **_sampling(args)
             ):
                 reply.append(token.text)
                 out.write(token.text)

@@ -81,6 +81,7 @@ def test_chat_keeps_the_conversation_and_survives_ctrl_c(checkpoint, capsys):
 
     assert run_chat(model, Args(), read) == 0
     assert len(prompts) == 3
+    reused = model.stats()["reused_tokens"]  # of the third turn
     first_reply = "".join(t.text for t in real_generate(prompts[0], max_new_tokens=6))
     second_partial = "".join(t.text for t in list(real_generate(prompts[1], max_new_tokens=6))[:1])
     expected = [
@@ -91,6 +92,8 @@ def test_chat_keeps_the_conversation_and_survives_ctrl_c(checkpoint, capsys):
         {"role": "user", "content": "last one"},
     ]
     assert prompts[2] == model.tokenizer.encode_chat(expected)
+    # the third turn prefilled only what the interrupted second one had not computed
+    assert 0 < reused < len(prompts[2])
     assert "[stopped]" in capsys.readouterr().err
 
 

@@ -73,3 +73,30 @@ def test_text_prompt_without_a_tokenizer_is_refused(tmp_path):
     assert all(t.text == "" for t in model.generate([1, 2], max_new_tokens=3))
     with pytest.raises(ValueError, match="no tokenizer"):
         next(model.generate("hello"))
+
+
+def test_reuse_prefix_computes_only_the_new_tokens_and_changes_no_greedy_token(checkpoint):
+    """A chat's next turn repeats the conversation: with reuse_prefix the positions the last turn
+    computed (its prompt and every reply token but the last) are copied, not recomputed, and the
+    greedy reply equals a fresh model's."""
+    path, _ = checkpoint
+    model, fresh = moerun.load(path, dtype=torch.float32), moerun.load(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    first = torch.randint(3, 90, (9,), generator=gen).tolist()
+    reply = [t.id for t in model.generate(first, max_new_tokens=6, reuse_prefix=True)]
+    assert model.stats()["reused_tokens"] == 0
+    second = first + reply + torch.randint(3, 90, (4,), generator=gen).tolist()
+    again = [t.id for t in model.generate(second, max_new_tokens=6, reuse_prefix=True)]
+    assert model.stats()["reused_tokens"] == len(first) + len(reply) - 1
+    assert again == [t.id for t in fresh.generate(second, max_new_tokens=6)]
+    # a reply stopped early (Ctrl-C in chat) leaves a shorter valid prefix, and the next turn is right
+    tokens = model.generate(second + again, max_new_tokens=6, reuse_prefix=True)
+    partial = [next(tokens).id, next(tokens).id]
+    tokens.close()
+    third = second + again + partial + [5, 6]
+    out = [t.id for t in model.generate(third, max_new_tokens=4, reuse_prefix=True)]
+    assert model.stats()["reused_tokens"] == len(second + again) + 1
+    assert out == [t.id for t in fresh.generate(third, max_new_tokens=4)]
+    # without reuse_prefix nothing is kept or reused
+    list(model.generate(third, max_new_tokens=2))
+    assert model.stats()["reused_tokens"] == 0 and model._prefix is None

@@ -75,6 +75,8 @@ class MoEModel:
         self.expert_cache, self.prefetch_k = expert_cache, prefetch_k or 0
         self.tokenizer: Tokenizer | None = None  # set by moerun.load when the checkpoint has one
         self.prefill_chunk = prefill_chunk
+        # generate(reuse_prefix=True): the KV cache of the last such generation and the ids it holds
+        self._prefix: tuple[KVCache, list[int]] | None = None
 
         def dense(name: str) -> torch.Tensor:
             t = tensors[name]
@@ -185,19 +187,25 @@ class MoEModel:
         temperature: float = 0.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        reuse_prefix: bool = False,
         **sampling,
     ) -> Iterator[Token]:
         """Yield up to `max_new_tokens` tokens after `prompt` (text, which needs the checkpoint's
         tokenizer, or ids): greedy at temperature 0, else sampled (`top_k`, `top_p`, `min_p`,
         `repetition_penalty`: see moerun.sampling). Each item has `.id` and `.text` (the text it
         completes; "" without a tokenizer). Stops after an end-of-sequence id, at a `stop` string
-        (not output), or when the context is full. Timings land in `stats()`."""
+        (not output), or when the context is full. Timings land in `stats()`.
+
+        `reuse_prefix`: keep this generation's KV cache, and start from the previous such
+        generation's where its tokens (prompt and output) begin this prompt, computing only the rest
+        (a chat's next turn repeats the whole conversation). The reused positions were computed in
+        other chunks, so logits may differ from a fresh run's in the last bits."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("This checkpoint has no tokenizer, so the prompt must be token ids.")
             prompt = self.tokenizer.encode(prompt)
         tokens = self._generate_ids(
-            list(prompt), max_new_tokens, SamplingParams(temperature, seed=seed, **sampling)
+            list(prompt), max_new_tokens, SamplingParams(temperature, seed=seed, **sampling), reuse_prefix
         )
         if self.tokenizer is None:
             yield from tokens
@@ -214,7 +222,7 @@ class MoEModel:
 
     @torch.inference_mode()
     def _generate_ids(
-        self, prompt: list[int], max_new_tokens: int, params: SamplingParams
+        self, prompt: list[int], max_new_tokens: int, params: SamplingParams, reuse_prefix: bool = False
     ) -> Iterator[Token]:
         sampler = Sampler(params)
         ids = torch.tensor([prompt], dtype=torch.long)
@@ -225,16 +233,20 @@ class MoEModel:
         steps = total - ids.shape[1]
         eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else set())
         cache = self.new_cache(1, total)
+        reused = self._reuse_prefix(prompt, cache) if reuse_prefix else 0
         run = self._last_run = {
             "prompt_tokens": len(prompt),
+            "reused_tokens": reused,
             "prefill_s": 0.0,
             "new_tokens": 0,
             "decode_s": 0.0,
         }
         start = time.perf_counter()
-        for s in range(0, ids.shape[1], self.prefill_chunk):
+        for s in range(reused, ids.shape[1], self.prefill_chunk):
             hidden = self.forward(ids[:, s : s + self.prefill_chunk], cache)
         seen = list(prompt)
+        # the cache holds seen[:cache.length] whenever this generator stops (Ctrl-C included)
+        self._prefix = (cache, seen) if reuse_prefix else None
         for step in range(steps):
             next_id = sampler(self._logits(hidden[0, -1]), seen)  # logits [V]
             seen.append(next_id)
@@ -248,13 +260,29 @@ class MoEModel:
             start = time.perf_counter()
             hidden = self.forward(torch.tensor([[next_id]]), cache)
 
+    def _reuse_prefix(self, prompt: list[int], cache: KVCache) -> int:
+        """Copy into `cache` the longest run of positions the previous reuse_prefix generation
+        computed that starts `prompt` (all but its last token: that one's logits are needed);
+        returns how many."""
+        if self._prefix is None:
+            return 0
+        old, old_ids = self._prefix
+        limit = min(old.length, len(prompt) - 1)
+        n = 0
+        while n < limit and old_ids[n] == prompt[n]:
+            n += 1
+        for new_layer, old_layer in zip(cache.keys + cache.values, old.keys + old.values, strict=True):
+            new_layer[:, :, :n].copy_(old_layer[:, :, :n])
+        cache.length = n
+        return n
+
     def stats(self) -> dict:
         """Figures of the last generation: prompt tokens, prefill seconds (to the first new token),
         new tokens, decode seconds (for the others), and the rates; with expert streaming also
         "offload": slots, cache bytes, and OffloadStats counters of the last step and in total."""
         run = dict(getattr(self, "_last_run", {}))
         if run.get("prefill_s"):
-            run["prefill_tok_s"] = run["prompt_tokens"] / run["prefill_s"]
+            run["prefill_tok_s"] = (run["prompt_tokens"] - run.get("reused_tokens", 0)) / run["prefill_s"]
         if run.get("decode_s"):
             run["decode_tok_s"] = (run["new_tokens"] - 1) / run["decode_s"]
         if self.expert_cache is not None:

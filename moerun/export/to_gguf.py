@@ -12,11 +12,11 @@ loss. Before any weight is read, the metadata is read back as `gguf_checkpoint` 
 that the file would describe differently (a sliding window the arch lacks, another routing rule) is
 refused.
 
-Memory: experts are quantised one at a time, other tensors a slice of rows at a time, and source pages
-are given back once converted; but every converted tensor is held until the file is written at the
-end (`GGUFWriter` takes them all): the peak is about the output file's size, plus one layer's experts
-in the source dtype (stacked by `canonical_tensors` for per-expert checkpoints), plus a copy of the
-largest tensor as it is written.
+Memory: experts are quantised one at a time, other tensors a slice of rows at a time, source pages
+are given back once converted, and each converted tensor goes to the writer's spill file next to the
+output at once: the peak is about one layer's experts in the source dtype (stacked by
+`canonical_tensors` for per-expert checkpoints). Disk: the output's size twice, until the spill file
+is copied behind the header and removed.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def quantize_checkpoint(
     _check_same_model(config, arch, metadata, names, root)
     metadata.update(_vocab(root, config.vocab_size, log))
 
-    writer = GGUFWriter()
+    writer = GGUFWriter(spill_dir=out.parent)  # tensors go to disk as converted
     for key, value in metadata.items():
         writer.add(key, value)
     convert = _Converter(spec, log)

@@ -1,13 +1,18 @@
 """Writing GGUF files (version 3, little-endian), the inverse of `gguf_file`: metadata with explicit
 value types (llama.cpp checks them), tensors dense or as QTensor bytes, each aligned.
 
-A file is written to a temporary name next to the target and renamed at the end, so an interrupted
-run leaves no half file; an existing target is refused unless `force`."""
+Tensors are written out as they are added, to a spill file (in `spill_dir`: the target's directory,
+when the caller knows it), so memory holds one tensor at a time, not the whole output; `write` then
+writes the header and copies the spilled data after it. The file is written to a temporary name next
+to the target and renamed at the end, so an interrupted run leaves no half file; an existing target
+is refused unless `force`."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -62,10 +67,12 @@ def _value(value, vtype: int, elem_type: int | None) -> bytes:
 
 
 class GGUFWriter:
-    def __init__(self, alignment: int = DEFAULT_ALIGNMENT):
+    def __init__(self, alignment: int = DEFAULT_ALIGNMENT, spill_dir: str | os.PathLike | None = None):
         self.alignment = alignment
         self.metadata: dict[str, tuple[object, int, int | None]] = {}
-        self.tensors: dict[str, torch.Tensor | QTensor] = {}
+        self.infos: dict[str, tuple[tuple[int, ...], int, int]] = {}  # name -> (shape, ggml type, offset)
+        # the tensors' data, each padded to the alignment, in the order added; removed when closed
+        self._spill = tempfile.TemporaryFile(prefix=".moerun-gguf-", dir=spill_dir)  # noqa: SIM115 - closed in write/close
         if alignment != DEFAULT_ALIGNMENT:
             self.add("general.alignment", alignment, UINT32)
 
@@ -77,49 +84,59 @@ class GGUFWriter:
         self.metadata[key] = (value, _infer_type(value) if value_type is None else value_type, elem_type)
 
     def add_tensor(self, name: str, tensor: torch.Tensor | QTensor) -> None:
+        """Write `tensor`'s bytes to the spill file now; the caller may drop it afterwards."""
         if isinstance(tensor, QTensor):
             if tensor.format.ggml_type is None:
                 raise ValueError(f"{name}: format {tensor.format.name} has no GGUF type.")
+            ggml_type, data = tensor.format.ggml_type, tensor.data
         elif tensor.dtype not in _DENSE_GGML:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be written to GGUF (f32, f16, bf16).")
-        self.tensors[name] = tensor
-
-    def _info(self, name: str, tensor, offset: int) -> bytes:
-        dims = list(reversed(tensor.shape))
-        ggml_type = tensor.format.ggml_type if isinstance(tensor, QTensor) else _DENSE_GGML[tensor.dtype]
-        return _string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ggml_type, offset)
+        else:
+            ggml_type, data = _DENSE_GGML[tensor.dtype], tensor
+        if name in self.infos:
+            raise ValueError(f"{name}: a tensor of that name was already added.")
+        offset = self._spill.tell()
+        raw = self._bytes(data)
+        self._spill.write(memoryview(raw))
+        self._spill.write(b"\0" * (-raw.size % self.alignment))
+        self.infos[name] = (tuple(tensor.shape), ggml_type, offset)
 
     @staticmethod
-    def _bytes(tensor) -> np.ndarray:
-        data = tensor.data if isinstance(tensor, QTensor) else tensor
+    def _bytes(data: torch.Tensor) -> np.ndarray:
         return data.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
 
+    def _header(self) -> bytes:
+        header = [MAGIC, struct.pack("<IQQ", 3, len(self.infos), len(self.metadata))]
+        header += [
+            _string(k) + struct.pack("<I", t) + _value(v, t, e) for k, (v, t, e) in self.metadata.items()
+        ]
+        for name, (shape, ggml_type, offset) in self.infos.items():
+            dims = list(reversed(shape))
+            header.append(
+                _string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ggml_type, offset)
+            )
+        return b"".join(header)
+
     def write(self, path: str | os.PathLike, force: bool = False) -> Path:
+        """The header, then the spilled tensor data, to `path`; closes the writer."""
         path = Path(path)
         if path.exists() and not force:
             raise CheckpointError(
                 f"{path} exists; moerun does not write over files (pass force to replace it)."
             )
-        pad = self.alignment
-        header = [MAGIC, struct.pack("<IQQ", 3, len(self.tensors), len(self.metadata))]
-        header += [
-            _string(k) + struct.pack("<I", t) + _value(v, t, e) for k, (v, t, e) in self.metadata.items()
-        ]
-        offset, infos, sizes = 0, [], []
-        for name, tensor in self.tensors.items():
-            infos.append(self._info(name, tensor, offset))
-            size = tensor.nbytes if isinstance(tensor, QTensor) else tensor.numel() * tensor.element_size()
-            sizes.append(size)
-            offset += -(-size // pad) * pad
         temporary = path.with_name(f".{path.name}.partial-{os.getpid()}")
         try:
             with open(temporary, "wb") as f:
-                f.write(b"".join(header + infos))
-                f.write(b"\0" * (-f.tell() % pad))
-                for tensor, size in zip(self.tensors.values(), sizes, strict=True):
-                    f.write(self._bytes(tensor).tobytes())
-                    f.write(b"\0" * (-size % pad))
+                f.write(self._header())
+                f.write(b"\0" * (-f.tell() % self.alignment))
+                self._spill.seek(0)
+                shutil.copyfileobj(self._spill, f, 16 * 2**20)
             os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)
+            self.close()
         return path
+
+    def close(self) -> None:
+        """Remove the spill file (also done when the writer is garbage collected)."""
+        self._spill.close()

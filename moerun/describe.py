@@ -17,7 +17,8 @@ from moerun.model.config import ModelConfig
 from moerun.quant.formats import FLOAT_DTYPES
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
-_EXPERT_TENSOR = re.compile(r"experts|_exps")
+# HF (experts.*), GGUF merged (ffn_*_exps) and GGUF's old per-expert layout (ffn_gate.E.weight)
+_EXPERT_TENSOR = re.compile(r"experts|_exps|ffn_(gate|up|down)\.\d+\.")
 _DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()} | {torch.uint8: "u8"}
 
 

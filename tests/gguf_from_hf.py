@@ -136,9 +136,11 @@ def _experts(add, hf_name: str, tensor: torch.Tensor, model_type: str, formats: 
         tensor = tensor.transpose(-1, -2)  # transformers stores GPT-OSS experts [E, in, out]
     if "gate_up_proj" not in hf_name:
         if layout == "per_expert" and kind == "weight":
-            for e in range(tensor.shape[0]):
-                add(f"{prefix}ffn_down.{e}.weight", tensor[e])
-            return {}
+            fmt = formats["down"]
+            stored = torch.stack(
+                [add(f"{prefix}ffn_down.{e}.weight", tensor[e], fmt) for e in range(len(tensor))]
+            )
+            return {} if fmt == "f32" else {hf_name: stored}
         stored = add(f"{prefix}ffn_down_exps.{kind}", tensor, formats["down"] if kind == "weight" else "f32")
         if kind == "bias" or formats["down"] == "f32":
             return {}
@@ -149,10 +151,10 @@ def _experts(add, hf_name: str, tensor: torch.Tensor, model_type: str, formats: 
     else:
         gate, up = tensor.chunk(2, dim=rows)
     if layout == "per_expert" and kind == "weight":
-        for e in range(tensor.shape[0]):
-            add(f"{prefix}ffn_gate.{e}.weight", gate[e])
-            add(f"{prefix}ffn_up.{e}.weight", up[e])
-        return {}
+        fmt = (formats["gate"], formats["up"])
+        gate = torch.stack([add(f"{prefix}ffn_gate.{e}.weight", gate[e], fmt[0]) for e in range(len(gate))])
+        up = torch.stack([add(f"{prefix}ffn_up.{e}.weight", up[e], fmt[1]) for e in range(len(up))])
+        return {} if fmt == ("f32", "f32") else {hf_name: torch.cat([gate, up], rows)}
     if layout == "fused":  # dense only here
         add(f"{prefix}ffn_gate_up_exps.{kind}", torch.cat([gate, up], dim=rows))
         return {}

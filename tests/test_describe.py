@@ -72,3 +72,17 @@ def test_describes_a_gguf_file_from_its_metadata(tmp_path):
     # q4_k: 144 bytes per 256 weights (gate, up); q6_k: 210 (down)
     per_row = c.hidden_size // 256
     assert d["bytes_per_expert"] == c.intermediate_size * per_row * (2 * 144 + 210)
+
+
+def test_gguf_with_one_tensor_per_expert_counts_its_experts(tmp_path):
+    """The old GGUF layout (blk.N.ffn_gate.E.weight ...) holds the same expert bytes."""
+    from gguf_from_hf import GGUF_OVERRIDES, write_gguf
+
+    hf_model = make_model("mixtral", hidden_size=256, intermediate_size=256, **GGUF_OVERRIDES["mixtral"])
+    path = tmp_path / "old.gguf"
+    write_gguf(hf_model, path, "q8_0", per_expert=True)
+    d = describe(path)
+    c = hf_model.config
+    assert d["tensors"]["blk.*.ffn_gate.*.weight"] == {"q8_0": c.num_hidden_layers * c.num_local_experts}
+    # q8_0: 34 bytes per 32 weights, three [256, 256] projections per expert
+    assert d["bytes_per_expert"] == 3 * c.intermediate_size * c.hidden_size // 32 * 34

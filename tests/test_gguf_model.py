@@ -96,10 +96,37 @@ def test_missing_expert_tensor_is_named(tmp_path):
         moerun.load(path, dtype=torch.float32)
 
 
-def test_per_expert_layout_is_refused_with_a_way_out(tmp_path):
+@pytest.mark.parametrize("experts", ["f32", "q4_k"])
+def test_old_per_expert_layout_loads(experts, quant_models, tmp_path):
+    """llama.cpp's layout before merged experts (blk.N.ffn_gate.E.weight ...), as older Mixtral GGUFs
+    have it: stacked at load, or read expert by expert from the file when streaming."""
+    hf_model = copy.deepcopy(quant_models("mixtral"))
     path = tmp_path / "old.gguf"
-    write_gguf(make_model("mixtral", **GGUF_OVERRIDES["mixtral"]), path, per_expert=True)
-    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_\w+\.0\.weight.*one-tensor-per-expert.*convert"):
+    stored = write_gguf(hf_model, path, experts, per_expert=True)
+    hf_model.load_state_dict(stored, strict=False)
+    expected = hf_logits(hf_model, IDS)
+    model = moerun.load(path, dtype=torch.float32)
+    assert rel_err(model.logits(IDS), expected) <= 1e-4
+    from test_offload_model import _minimum_gb
+
+    streamed = moerun.load(path, dtype=torch.float32, expert_cache_gb=_minimum_gb(path, torch.float32)[0])
+    store = streamed.expert_cache.store
+    assert all(all(store.file_backed(layer).values()) for layer in store.sources)
+    assert streamed.expert_cache.num_slots < sum(store.num_experts(layer) for layer in store.sources)
+    assert torch.equal(streamed.logits(IDS), model.logits(IDS))
+
+
+def test_old_per_expert_layout_with_an_expert_missing_is_named(tmp_path):
+    path = tmp_path / "old.gguf"
+    write_gguf(
+        make_model("mixtral", **GGUF_OVERRIDES["mixtral"]),
+        path,
+        per_expert=True,
+        skip={"blk.1.ffn_up.2.weight"},
+    )
+    with pytest.raises(
+        CheckpointError, match=r"blk\.1\.ffn_up\.E\.weight are incomplete: experts \[2\] are missing"
+    ):
         moerun.load(path, dtype=torch.float32)
 
 

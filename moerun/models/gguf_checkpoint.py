@@ -84,7 +84,7 @@ _REQUIRED = object()
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-_PER_EXPERT = re.compile(r"ffn_(gate|up|down)\.\d+\.weight")
+_PER_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # llama.cpp's layout before merged experts
 
 
 def gguf_archs() -> dict[str, str]:
@@ -239,17 +239,17 @@ def _canonical_tensors(
     layer_names = _GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER
     tensors: dict[str, Tensor | ExpertPieces] = {}
     blocks: dict[int, dict[str, str]] = {}  # layer -> name inside the block -> file name
+    per_expert: dict[int, dict[str, dict[int, str]]] = {}  # old layout: layer -> proj -> expert -> name
     for name in gguf.tensor_names():
         if m := _BLOCK.fullmatch(name):
-            if _PER_EXPERT.fullmatch(m.group(2)):
-                raise CheckpointError(
-                    f"{gguf.path}: tensor {name!r} is in the old one-tensor-per-expert GGUF layout; moerun "
-                    "reads merged expert tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps). Convert the "
-                    "model again with a current llama.cpp convert_hf_to_gguf.py."
-                )
-            blocks.setdefault(int(m.group(1)), {})[m.group(2)] = name
+            if old := _PER_EXPERT.fullmatch(m.group(2)):
+                per_expert.setdefault(int(m.group(1)), {}).setdefault(old[1], {})[int(old[2])] = name
+            else:
+                blocks.setdefault(int(m.group(1)), {})[m.group(2)] = name
         else:
             tensors[_TOP.get(name, name)] = gguf.tensor(name)
+    for layer, by_projection in per_expert.items():
+        tensors.update(_per_expert_tensors(gguf, f"layers.{layer}.", by_projection, assemble))
     for layer, block in sorted(blocks.items()):
         prefix = f"layers.{layer}."
         for canonical, (gate, up) in _GATE_UP.items():
@@ -282,6 +282,71 @@ def _canonical_tensors(
                     if t is not None and t.shape[0] == heads * attention.head_dim:  # else: reported
                         tensors[f"{prefix}attn.{proj}.{kind}"] = _unpermute(t, heads)
     return tensors
+
+
+def _per_expert_tensors(
+    gguf: GGUFFile, prefix: str, by_projection: dict[str, dict[int, str]], assemble: bool
+) -> dict[str, Tensor | ExpertPieces]:
+    """The old layout (blk.N.ffn_{gate,up,down}.E.weight, one tensor per expert, as llama.cpp wrote
+    Mixtral before merged expert tensors) -> experts.gate_up [E, 2I, H] and experts.down [E, H, I]:
+    stacked in RAM, or (not `assemble`) described over the per-expert views for streaming."""
+    block = prefix.replace("layers.", "blk.")
+    count = max(len(names) for names in by_projection.values())
+    parts: dict[str, list[Tensor]] = {}
+    for proj in ("gate", "up", "down"):
+        names = by_projection.get(proj, {})
+        if sorted(names) != list(range(count)):
+            missing = sorted(set(range(count)) - set(names))
+            raise CheckpointError(
+                f"{gguf.path}: the per-expert tensors {block}ffn_{proj}.E.weight are incomplete: "
+                f"experts {missing} are missing."
+            )
+        parts[proj] = [gguf.tensor(names[e]) for e in range(count)]
+        if len(_kinds(parts[proj])) > 1 or (proj == "up" and _kinds(parts["up"]) != _kinds(parts["gate"])):
+            raise CheckpointError(
+                f"{gguf.path}: the per-expert tensors {block}ffn_{proj}.E.weight differ in shape or type "
+                "between experts (or from ffn_gate's); moerun stacks them into one tensor."
+            )
+    gate, up, down = parts["gate"], parts["up"], parts["down"]
+    rows = gate[0].shape[0]
+    if not assemble:
+        return {
+            prefix + "moe.experts.gate_up": _pieces_of(
+                gate, (Piece([_data(t) for t in gate]), Piece([_data(t) for t in up], row=rows)), 2 * rows
+            ),
+            prefix + "moe.experts.down": _pieces_of(
+                down, (Piece([_data(t) for t in down]),), down[0].shape[0]
+            ),
+        }
+    out = {
+        prefix + "moe.experts.gate_up": _stack(gate + up, len(gate)),
+        prefix + "moe.experts.down": _stack(down, len(down)),
+    }
+    for names in by_projection.values():  # copied out: give back the mapped pages
+        for name in names.values():
+            gguf.release(name)
+    return out
+
+
+def _kinds(tensors: list[Tensor]) -> set:
+    return {(tuple(t.shape), getattr(t, "format", None) or t.dtype) for t in tensors}
+
+
+def _pieces_of(experts: list[Tensor], pieces: tuple[Piece, ...], rows: int) -> ExpertPieces:
+    first = experts[0]
+    shape = (len(experts), rows, first.shape[-1])
+    if isinstance(first, QTensor):
+        return ExpertPieces(shape, torch.uint8, first.format, pieces)
+    return ExpertPieces(shape, first.dtype, None, pieces)
+
+
+def _stack(parts: list[Tensor], num_experts: int) -> Tensor:
+    """parts = gate of experts 0..E-1 then up of 0..E-1 (or just one projection's) -> [E, rows, in]."""
+    halves = [parts[i : i + num_experts] for i in range(0, len(parts), num_experts)]
+    if isinstance(parts[0], QTensor):
+        data = torch.cat([torch.stack([t.data for t in half]) for half in halves], dim=1)
+        return QTensor(parts[0].format, (num_experts, data.shape[1], parts[0].shape[-1]), data)
+    return torch.cat([torch.stack(half) for half in halves], dim=1)
 
 
 def _described(gguf: GGUFFile, names: list[str], expert: bool, interleave: bool) -> ExpertPieces:

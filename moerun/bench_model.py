@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from moerun.backends import resolve_backend
 from moerun.bench import DTYPES, copy_bandwidth, timed
 from moerun.model.transformer import MoEModel
 from moerun.models import family
@@ -28,9 +29,11 @@ OLMOE = dict(
 )
 
 
-def build_pair(layers: int, dtype: torch.dtype, shape: dict | None = None):
-    """(transformers OlmoeForCausalLM, MoEModel) sharing every weight tensor; `shape` overrides
-    OLMoE's config values (tests use tiny ones)."""
+def build_pair(
+    layers: int, dtype: torch.dtype, shape: dict | None = None, device: str = "cpu", backend: str = "torch"
+):
+    """(transformers OlmoeForCausalLM, MoEModel) sharing every weight tensor, on `device`; `shape`
+    overrides OLMoE's config values (tests use tiny ones)."""
     import transformers
 
     config = transformers.OlmoeConfig(**{**OLMOE, **(shape or {}), "num_hidden_layers": layers})
@@ -47,10 +50,11 @@ def build_pair(layers: int, dtype: torch.dtype, shape: dict | None = None):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(dtype))
+    peer = peer.to(device)
     model_config = family("olmoe").model_config(config.to_dict())
     state = peer.state_dict()
     tensors, _ = canonical_tensors("olmoe", model_config, state.keys(), state.__getitem__)
-    return peer, MoEModel(model_config, tensors, dtype=dtype)
+    return peer, MoEModel(model_config, tensors, dtype=dtype, device=device, backend=backend)
 
 
 def run_model_bench(
@@ -60,16 +64,23 @@ def run_model_bench(
     decode_steps: int = 16,
     repeats: int = 3,
     shape: dict | None = None,
+    device: str | None = None,
+    backend: str = "auto",
     log: Callable[[str], None] = lambda s: None,
 ) -> dict:
     from transformers import DynamicCache
 
     torch_dtype = DTYPES[dtype]
-    log(f"building a random {layers}-layer OLMoE-shaped model in {dtype} (moerun and transformers share it)")
-    peer, ours = build_pair(layers, torch_dtype, shape)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = resolve_backend(backend, torch.device(device))
+    log(
+        f"building a random {layers}-layer OLMoE-shaped model in {dtype} on {device} ({backend} backend; "
+        "moerun and transformers share it)"
+    )
+    peer, ours = build_pair(layers, torch_dtype, shape, device, backend)
     vocab = peer.config.vocab_size
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (1, prompt_tokens), generator=gen)
+    ids = torch.randint(0, vocab, (1, prompt_tokens), generator=gen).to(device)
     steps = torch.randint(0, vocab, (decode_steps + 1,), generator=gen).tolist()
 
     def peer_logits():
@@ -79,12 +90,12 @@ def run_model_bench(
     decode = {"moerun": [], "transformers": []}
     with torch.inference_mode():
         log("measuring copy bandwidth")
-        copy = copy_bandwidth("cpu")
+        copy = copy_bandwidth(device)
         log(f"prefill: logits of a {prompt_tokens}-token prompt x{repeats}, interleaved")
         ours.logits(ids[:, :16]), peer(ids[:, :16])  # warm-up
         for _ in range(repeats):
-            prefill["moerun"].append(timed(lambda: ours.logits(ids)))
-            prefill["transformers"].append(timed(peer_logits))
+            prefill["moerun"].append(timed(lambda: ours.logits(ids), device))
+            prefill["transformers"].append(timed(peer_logits, device))
         ours_logits, peer_logits_out = ours.logits(ids), peer_logits()
         log(f"decode: {decode_steps} single-token steps after a {prompt_tokens}-token prompt, interleaved")
         cache = ours.new_cache(1, prompt_tokens + len(steps))
@@ -92,9 +103,9 @@ def run_model_bench(
         peer_cache = DynamicCache(config=peer.config)
         peer(ids, cache=peer_cache, use_cache=True)
         for i, token in enumerate(steps):
-            tok = torch.tensor([[token]])
-            t_ours = timed(lambda tok=tok: ours._logits(ours.forward(tok, cache)))
-            t_peer = timed(lambda tok=tok: peer(tok, cache=peer_cache, use_cache=True).logits)
+            tok = torch.tensor([[token]], device=device)
+            t_ours = timed(lambda tok=tok: ours._logits(ours.forward(tok, cache)), device)
+            t_peer = timed(lambda tok=tok: peer(tok, cache=peer_cache, use_cache=True).logits, device)
             if i:  # the first step pays one-time costs on both sides
                 decode["moerun"].append(t_ours)
                 decode["transformers"].append(t_peer)
@@ -102,7 +113,7 @@ def run_model_bench(
         prompt = ids[0, :32].tolist()
         generate = {"moerun": [], "transformers": []}
         for _ in range(repeats):
-            generate["moerun"].append(timed(lambda: list(ours.generate(prompt, max_new_tokens=16))))
+            generate["moerun"].append(timed(lambda: list(ours.generate(prompt, max_new_tokens=16)), device))
             generate["transformers"].append(
                 timed(
                     lambda: peer.generate(
@@ -124,6 +135,8 @@ def run_model_bench(
     return {
         "model": f"olmoe-shaped, {layers} layers",
         "dtype": dtype,
+        "device": device,
+        "backend": backend,
         "threads": torch.get_num_threads(),
         "prompt_tokens": prompt_tokens,
         "copy_bytes_per_s": copy,
@@ -148,7 +161,8 @@ def format_model_table(r: dict) -> str:
     gb = 1e9
     return "\n".join(
         [
-            f"moerun bench --model  {r['model']}  dtype={r['dtype']}  threads={r['threads']}",
+            f"moerun bench --model  {r['model']}  dtype={r['dtype']}  device={r['device']}  "
+            f"backend={r['backend']}  threads={r['threads']}",
             f"  copy bandwidth (read+write)   {r['copy_bytes_per_s'] / gb:8.1f} GB/s",
             f"  prefill T={r['prompt_tokens']:<5}  moerun {r['prefill_tok_s']:8.1f} tok/s   "
             f"transformers {r['peer_prefill_tok_s']:8.1f} tok/s   ({r['prefill_vs_peer']:.2f}x)",

@@ -36,6 +36,8 @@ def _bench(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             prompt_tokens=args.prefill_tokens,
             decode_steps=args.decode_steps,
+            device=args.device,
+            backend=args.backend,
             log=log,
         )
         print(json.dumps(results) if args.json else format_model_table(results))

@@ -19,10 +19,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ls bench/wheels/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --find-links bench/wheels bench/wheels/*.whl >"$OUT/pip.txt" 2>&1
 fi
-$PY - <<'PY' | tee "$OUT/env.txt"
-import torch, triton
-print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA'} | torch {torch.__version__} | triton {triton.__version__}")
+if ! $PY - <<'PY' | tee "$OUT/env.txt"
+import sys, torch, triton
+if not torch.cuda.is_available():
+    sys.exit("gpu_check.sh needs a CUDA GPU; this python sees none (CPU checks: bash scripts/test.sh).")
+print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
 PY
+then
+    exit 1
+fi
 
 echo "== GPU tests: the triton backend end to end on CUDA tensors, and every test marked gpu"
 timeout 110 $PY -m pytest -q -p no:cacheprovider tests/test_triton_backend.py >"$OUT/tests.txt" 2>&1

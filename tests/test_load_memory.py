@@ -132,6 +132,6 @@ def test_quantize_holds_about_one_layer_not_the_output(tmp_path):
     )
     peak, size = int(run.stdout.split()[-1]), out.stat().st_size
     assert size > 300 * 2**20
-    # holding the output until the end peaked at ~1.8x it (246 MiB for 138); one layer at a time
-    # measured ~136 MiB at 4 layers
-    assert peak < 0.5 * size, f"peak RSS {peak / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB output"
+    # holding the output until the end peaked at 431 MiB here (1.27x the output); one layer at a
+    # time measured 136 MiB in one venv and 177 MiB in a fresh one with the same packages
+    assert peak < 0.7 * size, f"peak RSS {peak / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB output"

@@ -170,3 +170,38 @@ def test_prefetch_of_a_perfectly_predictable_model_turns_every_miss_into_a_hit(t
     # layer 0 is never predicted, so its misses stay; every later layer's misses are prefetched
     assert with_prefetch["misses"] + with_prefetch["prefetch_used"] == without["misses"]
     assert with_prefetch["misses"] < without["misses"] and layers > 1
+
+
+_GENERATE_UNTIL_INTERRUPTED = r"""
+import sys, torch, moerun
+model = moerun.load(sys.argv[1], dtype=torch.float32, expert_cache_gb=float(sys.argv[2]), prefetch_k=2)
+for i, token in enumerate(model.generate([1, 2, 3], max_new_tokens=10**6)):
+    if i == 2:
+        print("ready", flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGINT"), reason="needs POSIX signals")
+def test_ctrl_c_mid_generation_exits_without_hanging(tmp_path):
+    """Ctrl-C while experts stream: the interrupt reaches the user and the process exits, its reader
+    threads stopped (a hung reader would keep the interpreter from exiting)."""
+    import signal
+    import subprocess
+    import sys
+
+    path = CASES["olmoe-per-expert-names"](tmp_path)
+    floor_gb, _ = _minimum_gb(path, torch.float32)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _GENERATE_UNTIL_INTERRUPTED, str(path), str(2 * floor_gb)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in err
+    assert proc.returncode != 0

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
+from moerun.export.convert import ExportError, QuantizeSpec, Tensor, TensorConverter
 from moerun.export.gguf_vocab_export import VocabError, vocab_metadata
 from moerun.load import hf_model_config
 from moerun.loader import CheckpointError, SafetensorsCheckpoint, resolve_checkpoint
@@ -44,53 +45,16 @@ from moerun.model.transformer import check_model_tensors
 from moerun.models import FAMILIES, family
 from moerun.models.gguf_checkpoint import gguf_model_config, gguf_name_tables
 from moerun.models.hf_checkpoint import canonical_tensors
-from moerun.quant.dequant import dequantize, gpt_oss_layout_to_mxfp4
-from moerun.quant.formats import FLOAT_DTYPES, FORMATS, FormatError, QFormat, QTensor, get_format
-from moerun.quant.quantize import quantize_rows
+from moerun.quant.formats import QTensor
 
-Tensor = torch.Tensor | QTensor
-
-EXPERT_FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "mxfp4", "f16", "bf16", "f32")
-REST_FORMATS = ("f16", "bf16", "f32", "q8_0")
 # general.file_type (llama.cpp's llama_ftype) by expert format: the "mostly" type of the bulk
 FILE_TYPES = {
     "f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q2_k": 10, "q3_k": 11, "q4_k": 14, "q5_k": 16,
     "q6_k": 18, "bf16": 32, "mxfp4": 38,
 }  # fmt: skip
 QUANTIZATION_VERSION = 2  # general.quantization_version of ggml's current block layouts
-_EXPERT_PROJECTION = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
 _CHECKPOINT_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")  # as moerun.models.hf_checkpoint
-_CHUNK_ELEMENTS = 1 << 22  # rows are converted a slice of about this many elements at a time
 _NOT_COMPARED = frozenset({"bos_token_id", "eos_token_ids"})  # those come from the tokenizer keys
-
-
-class ExportError(ValueError):
-    """A conversion moerun refuses; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class QuantizeSpec:
-    """Formats: `experts` for the expert projections (gate and up; down too unless `down` is given),
-    `rest` for the other 2-D weights."""
-
-    experts: str
-    down: str | None = None
-    rest: str = "f16"
-
-    def __post_init__(self):
-        for option, fmt, known in (
-            ("--experts", self.experts, EXPERT_FORMATS),
-            ("--down", self.down or self.experts, EXPERT_FORMATS),
-            ("--rest", self.rest, REST_FORMATS),
-        ):
-            if fmt not in known:
-                raise ExportError(
-                    f"{option} {fmt!r} is not a format moerun writes; use one of {', '.join(known)}."
-                )
-
-    @property
-    def down_format(self) -> str:
-        return self.down or self.experts
 
 
 def _stderr(message: str) -> None:
@@ -131,7 +95,7 @@ def quantize_checkpoint(
     writer = GGUFWriter(spill_dir=out.parent)  # tensors go to disk as converted
     for key, value in metadata.items():
         writer.add(key, value)
-    convert = _Converter(spec, log)
+    convert = TensorConverter(spec, log)
     groups = _layer_groups(checkpoint.names())
     started = time.perf_counter()
     for layer, group in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
@@ -358,82 +322,3 @@ def _split_gate_up(t: Tensor, dim: int, interleaved: bool) -> tuple[Tensor, Tens
 def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows in ggml's interleaved RoPE order."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-class _Converter:
-    """GGUF-named tensors -> what the file stores (see the module docstring for the formats)."""
-
-    def __init__(self, spec: QuantizeSpec, log: Callable[[str], None]):
-        self.spec, self.log = spec, log
-        self._said: set[str] = set()
-
-    def __call__(self, name: str, tensor: Tensor) -> Tensor:
-        expert = _EXPERT_PROJECTION.fullmatch(name)
-        if expert:
-            fmt = self.spec.down_format if expert.group(1) == "down" else self.spec.experts
-        elif len(tensor.shape) <= 1 or not name.endswith(".weight") or name.endswith("ffn_gate_inp.weight"):
-            return tensor.to(torch.float32).contiguous()
-        else:
-            fmt = self.spec.rest
-        fmt = self._fitting(name, fmt, tensor.shape[-1])
-        if expert:
-            return self._experts(name, tensor, fmt)
-        return self._rows(name, tensor, fmt)
-
-    def _fitting(self, name: str, fmt: str, row: int) -> str:
-        """`fmt`, or q8_0 / f16 where rows of `row` elements are not whole blocks of it."""
-        if row % FORMATS[fmt].block_size == 0:
-            return fmt
-        fallback = "q8_0" if row % 32 == 0 else "f16"
-        what = re.sub(r"^blk\.\d+\.", "", name)  # one message for all layers
-        if what not in self._said:
-            self._said.add(what)
-            block = FORMATS[fmt].block_size
-            self.log(
-                f"{what}: rows of {row} are not whole {fmt} blocks of {block}; storing them as {fallback}."
-            )
-        return fallback
-
-    def _experts(self, name: str, t: Tensor, fmt: str) -> QTensor:
-        """[E, out, in] quantised one expert at a time; GPT-OSS's MXFP4 is moved, not requantised."""
-        if isinstance(t, QTensor):
-            if t.format.name == fmt:
-                return t
-            if t.format.name == "mxfp4_gpt_oss" and fmt == "mxfp4":
-                return QTensor(get_format("mxfp4"), t.shape, gpt_oss_layout_to_mxfp4(t.data))
-            if "requantise" not in self._said:
-                self._said.add("requantise")
-                self.log(
-                    f"requantising the MXFP4 experts to {fmt} (lossy; --experts mxfp4 keeps them exactly)."
-                )
-        target = get_format(fmt)
-        if not isinstance(t, QTensor) and target.is_float and t.dtype == FLOAT_DTYPES[fmt]:
-            return t
-        experts, rows, cols = t.shape
-        out = torch.empty((experts, rows, target.row_bytes(cols)), dtype=torch.uint8)
-        for e in range(experts):
-            x = dequantize(t.expert(e)) if isinstance(t, QTensor) else t[e]
-            out[e] = self._row_bytes(f"{name} (expert {e})", x, target)
-        return QTensor(target, tuple(t.shape), out)
-
-    def _rows(self, name: str, x: torch.Tensor, fmt: str) -> Tensor:
-        """A 2-D weight in `fmt`; a float tensor already in `fmt` is kept as it is."""
-        target = get_format(fmt)
-        if target.is_float and x.dtype == FLOAT_DTYPES[fmt]:
-            return x
-        return QTensor(target, tuple(x.shape), self._row_bytes(name, x, target))
-
-    @staticmethod
-    def _row_bytes(name: str, x: torch.Tensor, target: QFormat) -> torch.Tensor:
-        """[.., in] float -> uint8 [.., row_bytes] of `target`, a slice of rows at a time, so that no
-        whole-tensor temporary (an fp32 copy, finiteness masks) is made."""
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.empty((rows.shape[0], target.row_bytes(x.shape[-1])), dtype=torch.uint8)
-        step = max(1, _CHUNK_ELEMENTS // x.shape[-1])
-        try:
-            for start in range(0, rows.shape[0], step):
-                out[start : start + step] = quantize_rows(target, rows[start : start + step].float())
-        except FormatError as err:
-            hint = " (--rest bf16 or f32 keeps it)" if target.name == "f16" else ""
-            raise ExportError(f"{name}: {err}{hint}") from None
-        return out.reshape(*x.shape[:-1], -1)

@@ -4,13 +4,13 @@ writes for the arch: its metadata keys, q and k rows permuted for `llama` (Llama
 and up experts stored apart ([E, I, H] each; GPT-OSS's interleaved rows split into even and odd), the
 Qwen2-MoE shared-expert gate stored [H], GPT-OSS's MLP norm named post_attention_norm.
 
-Formats, as llama.cpp keeps them: expert projections in `spec.experts` (down in `spec.down`); 1-D
-tensors, biases and the router (ffn_gate_inp) in f32; the other 2-D weights in `spec.rest`. Rows that
-are not whole blocks of a format fall back to q8_0 (rows of 32s) or else f16, as llama-quantize
-falls back, and the fallback is said on the log. GPT-OSS's MXFP4 experts become GGUF MXFP4 without
-loss. Before any weight is read, the metadata is read back as `gguf_checkpoint` reads it, and a model
-that the file would describe differently (a sliding window the arch lacks, another routing rule) is
-refused.
+Formats (moerun.export.convert), as llama.cpp keeps them: expert projections in `spec.experts` (down
+in `spec.down`); 1-D tensors, biases and the router (ffn_gate_inp) in f32; the other 2-D weights in
+`spec.rest`. Rows that are not whole blocks of a format fall back to q8_0 (rows of 32s) or else f16,
+as llama-quantize falls back, and the fallback is said on the log. GPT-OSS's MXFP4 experts become
+GGUF MXFP4 without loss. Before any weight is read, the metadata is read back as `gguf_checkpoint`
+reads it, and a model that the file would describe differently (a sliding window the arch lacks,
+another routing rule) is refused.
 
 Memory: experts are quantised one at a time, other tensors a slice of rows at a time, source pages
 are given back once converted, and each converted tensor goes to the writer's spill file next to the

@@ -126,7 +126,7 @@ def save_gpt_oss_mxfp4(model, directory: Path) -> Path:
 
     from safetensors.torch import save_file
 
-    from moerun.quant.dequant import mxfp4_to_gpt_oss
+    from moerun.quant.mxfp4_layouts import mxfp4_to_gpt_oss
     from moerun.quant.quantize import quantize
 
     tensors = {}

@@ -8,16 +8,15 @@ import pytest
 import torch
 
 from moerun.quant import dequant
-from moerun.quant.dequant import (
-    dequantize,
-    dequantize_bytes,
+from moerun.quant.dequant import dequantize, dequantize_bytes
+from moerun.quant.formats import FORMATS, FormatError, QTensor
+from moerun.quant.mxfp4_layouts import (
     gpt_oss_layout_bytes,
     gpt_oss_layout_to_mxfp4,
     mxfp4_from_gpt_oss,
     mxfp4_to_gpt_oss,
     mxfp4_to_gpt_oss_layout,
 )
-from moerun.quant.formats import FORMATS, FormatError, QTensor
 
 GGUF_FORMATS = [name for name, f in FORMATS.items() if f.ggml_type is not None]
 BLOCK_FORMATS = [name for name in GGUF_FORMATS if not FORMATS[name].is_float]

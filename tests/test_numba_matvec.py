@@ -62,7 +62,7 @@ def test_random_k_quant_bytes(fmt):
 
 def test_gpt_oss_layout_matches_gguf_layout():
     """The same values in both MXFP4 layouts give the same products."""
-    from moerun.quant.dequant import mxfp4_to_gpt_oss_layout
+    from moerun.quant.mxfp4_layouts import mxfp4_to_gpt_oss_layout
 
     gen = torch.Generator().manual_seed(2)
     data = quantize(torch.randn(64, 512, generator=gen), "mxfp4").data

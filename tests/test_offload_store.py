@@ -11,8 +11,8 @@ from moerun.loader import SafetensorsFile
 from moerun.offload import ExpertReadError, ExpertStore, MappedFile
 from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces, Piece
 from moerun.offload.store import FileReader, _chunks
-from moerun.quant.dequant import gpt_oss_layout_bytes
 from moerun.quant.formats import get_format
+from moerun.quant.mxfp4_layouts import gpt_oss_layout_bytes
 
 E, I, H = 5, 6, 64
 

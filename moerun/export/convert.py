@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moerun.quant.dequant import dequantize, gpt_oss_layout_to_mxfp4
+from moerun.quant.dequant import dequantize
 from moerun.quant.formats import FLOAT_DTYPES, FORMATS, FormatError, QFormat, QTensor, get_format
+from moerun.quant.mxfp4_layouts import gpt_oss_layout_to_mxfp4
 from moerun.quant.quantize import quantize_rows
 
 Tensor = torch.Tensor | QTensor

@@ -19,8 +19,8 @@ from moerun.model.config import ModelConfig
 from moerun.models import family
 from moerun.models.moe_block import sanitize
 from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces, Piece
-from moerun.quant.dequant import gpt_oss_layout_bytes
 from moerun.quant.formats import QTensor, get_format
+from moerun.quant.mxfp4_layouts import gpt_oss_layout_bytes
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
 _TOP = {

@@ -8,9 +8,7 @@ significant bits and the integer sc * q fits in 13, so only a final subtraction 
 parts of each block (quants, sub-block scales and mins, the fp16 super-block scales) come from one
 `unpack_*` function per format, which integer dot products can reuse. Everything is torch ops and
 runs on the device that holds the bytes.
-
-Also here: converting GPT-OSS's MXFP4 checkpoint tensors (`*_blocks`, `*_scales`) to GGUF's `mxfp4`
-block bytes and back, and to and from the `mxfp4_gpt_oss` layout.
+(Converting GPT-OSS's MXFP4 checkpoint tensors between layouts: moerun.quant.mxfp4_layouts.)
 """
 
 from __future__ import annotations
@@ -362,69 +360,3 @@ def dequantize_bytes(fmt: QFormat, data: torch.Tensor, dtype: torch.dtype = torc
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A QTensor's values, of its logical shape ([E, out, in] or [out, in]), in `dtype`."""
     return dequantize_bytes(q.format, q.data, dtype).reshape(q.shape)
-
-
-# ---------------------------------------------------------------- GPT-OSS's MXFP4 checkpoint layout
-# GPT-OSS stores each MXFP4 weight as `*_blocks` uint8 [..., n / 32, 16] (byte j: element 2j in the
-# low nibble, 2j + 1 in the high) and `*_scales` uint8 [..., n / 32] (E8M0). The conversions below
-# only move nibbles and bytes, so they are lossless both ways.
-
-
-def _check_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> None:
-    if (
-        blocks.dtype != torch.uint8
-        or scales.dtype != torch.uint8
-        or blocks.ndim < 2
-        or blocks.shape[-1] != 16
-        or blocks.shape[:-1] != scales.shape
-    ):
-        raise FormatError(
-            f"GPT-OSS MXFP4 weights need `blocks` uint8 [..., n / 32, 16] and `scales` uint8 "
-            f"[..., n / 32]; got blocks {blocks.dtype} {tuple(blocks.shape)} and scales {scales.dtype} "
-            f"{tuple(scales.shape)}."
-        )
-
-
-def _split_mxfp4_blocks(data: torch.Tensor, fmt_name: str) -> torch.Tensor:
-    """Rows of 17-byte blocks, uint8 [..., n / 32 * 17] -> [..., n / 32, 17]."""
-    if data.dtype != torch.uint8 or data.ndim == 0 or data.shape[-1] % 17:
-        raise FormatError(
-            f"{fmt_name} bytes must be uint8 [..., n / 32 * 17] (17-byte blocks); "
-            f"got {data.dtype} {tuple(data.shape)}."
-        )
-    return data.unflatten(-1, (-1, 17))
-
-
-def gpt_oss_layout_bytes(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """GPT-OSS `*_blocks` [..., n / 32, 16] and `*_scales` [..., n / 32] -> `mxfp4_gpt_oss` bytes
-    uint8 [..., n / 32 * 17]: each block's scale byte, then its 16 bytes unchanged."""
-    _check_gpt_oss(blocks, scales)
-    return torch.cat([scales[..., None], blocks], dim=-1).flatten(-2)
-
-
-def mxfp4_from_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """GPT-OSS `*_blocks` [..., n / 32, 16] and `*_scales` [..., n / 32] -> GGUF `mxfp4` bytes
-    uint8 [..., n / 32 * 17] (the nibbles regrouped: elements 0-15 low, 16-31 high)."""
-    _check_gpt_oss(blocks, scales)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., n / 32, 32]
-    qs = codes[..., :16] | codes[..., 16:] << 4
-    return torch.cat([scales[..., None], qs], dim=-1).flatten(-2)
-
-
-def mxfp4_to_gpt_oss(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF `mxfp4` bytes uint8 [..., n / 32 * 17] -> GPT-OSS (`*_blocks` uint8 [..., n / 32, 16],
-    `*_scales` uint8 [..., n / 32]); the exact inverse of `mxfp4_from_gpt_oss`."""
-    e, codes = unpack_mxfp4(_split_mxfp4_blocks(data, "mxfp4"))
-    blocks = codes[..., 0::2] | codes[..., 1::2] << 4
-    return blocks, e.clone(memory_format=torch.contiguous_format)
-
-
-def gpt_oss_layout_to_mxfp4(data: torch.Tensor) -> torch.Tensor:
-    """`mxfp4_gpt_oss` bytes [..., n / 32 * 17] -> GGUF `mxfp4` bytes of the same shape and values."""
-    blocks = _split_mxfp4_blocks(data, "mxfp4_gpt_oss")
-    return mxfp4_from_gpt_oss(blocks[..., 1:17], blocks[..., 0])
-
-
-def mxfp4_to_gpt_oss_layout(data: torch.Tensor) -> torch.Tensor:
-    """GGUF `mxfp4` bytes [..., n / 32 * 17] -> `mxfp4_gpt_oss` bytes of the same shape and values."""
-    return gpt_oss_layout_bytes(*mxfp4_to_gpt_oss(data))

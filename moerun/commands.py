@@ -47,6 +47,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefetch-k", type=int, default=None, help="with --expert-cache-gb: experts to prefetch"
     )
+    parser.add_argument(
+        "--host-cache-gb",
+        type=float,
+        default=0.0,
+        help="with --expert-cache-gb: keep this many GB of recently read experts in host RAM",
+    )
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -80,6 +86,7 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
         backend=args.backend,
         expert_cache_gb=getattr(args, "expert_cache_gb", None),
         prefetch_k=getattr(args, "prefetch_k", None),
+        host_cache_gb=getattr(args, "host_cache_gb", 0.0),
         progress=progress,
     )
     err.write(f"\rloaded {args.model} in {time.perf_counter() - start:.1f} s{' ' * 40}\n")

@@ -103,6 +103,7 @@ def load(
     backend: str = "auto",
     expert_cache_gb: float | None = None,
     prefetch_k: int | None = None,
+    host_cache_gb: float = 0.0,
     dequant_cache_gb: float = 0.0,
     progress: Callable[[int, int], None] | None = None,
 ) -> MoEModel:
@@ -112,10 +113,13 @@ def load(
     `expert_cache_gb`: keep the dense part and this many GB of expert slots on the device and stream
     the other experts from the checkpoint (moerun.offload); too small a budget for one token's
     experts is refused with the minimum. `prefetch_k`: with streaming, load that many of the next
-    MoE layer's predicted experts while a layer computes. `progress(done, total)` is told as layers
-    are placed."""
+    MoE layer's predicted experts while a layer computes. `host_cache_gb`: with streaming, keep up to
+    this many GB of recently read experts in host RAM (pinned on CUDA), so a re-fetched expert is a
+    memory copy, not a file read. `progress(done, total)` is told as layers are placed."""
     if prefetch_k and expert_cache_gb is None:
         raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
+    if host_cache_gb and expert_cache_gb is None:
+        raise ValueError("host_cache_gb needs expert_cache_gb: the host tier serves the streamed experts.")
     root = resolve_checkpoint(path)
     backend = resolve_backend(backend, torch.device(device))
     gguf = checkpoint = None
@@ -150,7 +154,9 @@ def load(
     expert_cache = None
     if streamed:
         try:
-            expert_cache = _expert_cache(model_config, tensors, files, dtype, device, expert_cache_gb)
+            expert_cache = _expert_cache(
+                model_config, tensors, files, dtype, device, expert_cache_gb, host_cache_gb
+            )
         except CacheBudgetError as err:
             if fit is None:
                 raise
@@ -173,7 +179,13 @@ def load(
 
 
 def _expert_cache(
-    config: ModelConfig, tensors: dict, files: list[MappedFile], dtype, device, budget_gb: float
+    config: ModelConfig,
+    tensors: dict,
+    files: list[MappedFile],
+    dtype,
+    device,
+    budget_gb: float,
+    host_gb: float = 0.0,
 ) -> ExpertCache:
     """The expert store over every MoE layer's projections and a cache of `budget_gb` on `device`."""
     layers = {
@@ -182,7 +194,9 @@ def _expert_cache(
         if moe
     }
     device = torch.device(device)
-    store = ExpertStore(layers, dtype, files, pin=device.type == "cuda")
+    store = ExpertStore(
+        layers, dtype, files, host_budget_bytes=int(host_gb * 2**30), pin=device.type == "cuda"
+    )
     try:
         return ExpertCache(store, int(budget_gb * 2**30), config.moe.top_k, device)
     except BaseException:

@@ -205,3 +205,20 @@ def test_ctrl_c_mid_generation_exits_without_hanging(tmp_path):
         proc.kill()
     assert "KeyboardInterrupt" in err
     assert proc.returncode != 0
+
+
+def test_host_ram_tier_serves_refetched_experts_without_reading_the_file(tmp_path):
+    path = CASES["olmoe-per-expert-names"](tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    want = _decode_logits(moerun.load(path, dtype=torch.float32), ids)
+    floor_gb, floor = _minimum_gb(path, torch.float32)
+    model = moerun.load(path, dtype=torch.float32, expert_cache_gb=floor_gb, host_cache_gb=1.0)
+    assert torch.equal(_decode_logits(model, ids), want)
+    total = model.stats()["offload"]["total"]
+    per_expert = floor // model.config.moe.top_k
+    distinct = sum(model.config.moe_layers) * model.config.moe.num_experts
+    assert total["misses"] > distinct  # the smallest cache evicts and fetches again
+    assert total["bytes_read"] <= distinct * per_expert  # every expert read from the file once at most
+    model.close()
+    with pytest.raises(ValueError, match="host_cache_gb needs expert_cache_gb"):
+        moerun.load(path, host_cache_gb=1.0)

@@ -18,13 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.weights import FORMAT_CODES, FORMAT_NAMES, Q4_0, Q4_K, Q6_K, Q8_0, KernelWeight
+from moerun.kernels.weights import FORMAT_CODES, FORMAT_NAMES, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, KernelWeight
 from moerun.quant.q8_1 import Q8_1, dot_q8_1, quantize_q8_1
 
 # Formats with an integer q8_1 path, and the bytes of weights one loop step covers (256 elements:
 # one k-quant super-block, or eight 32-element blocks).
 Q8_1_GROUP_BYTES = {FORMAT_CODES["q8_0"]: 8 * 34, FORMAT_CODES["q4_0"]: 8 * 18, FORMAT_CODES["mxfp4"]: 8 * 17}
-Q8_1_GROUP_BYTES |= {FORMAT_CODES["q4_k"]: 144, FORMAT_CODES["q6_k"]: 210}
+Q8_1_GROUP_BYTES |= {FORMAT_CODES["q4_k"]: 144, FORMAT_CODES["q5_k"]: 176, FORMAT_CODES["q6_k"]: 210}
 QK = 32  # elements per q8_1 block
 
 GEMV_Q8_1_CONFIG = {"BLOCK_N": 16, "num_warps": 4}
@@ -170,18 +170,26 @@ def _dot_blocks32(rows, n_mask, qs_g, d8_g, s8_g, n_blocks, FMT: tl.constexpr):
 
 
 @triton.jit
-def _dot_q4_k(rows, n_mask, qs_g, d8_g):
-    """One Q4_K super-block (byte pointers [BN]) with q8_1 quants qs_g [256], d8_g [8] -> fp32 [BN]."""
+def _dot_q4_k(rows, n_mask, qs_g, d8_g, FIVE_BITS: tl.constexpr):
+    """One Q4_K super-block (or, FIVE_BITS, Q5_K) at byte pointers [BN] with q8_1 quants qs_g [256],
+    d8_g [8] -> fp32 [BN]. Q5_K is Q4_K's layout with 32 `qh` bytes before the nibbles, whose bit j
+    of byte c is the fifth bit of element c of sub-block j."""
     j = tl.arange(0, 8)  # sub-blocks of 32
     c = tl.arange(0, 32)
     m2 = n_mask[:, None]
     m3 = n_mask[:, None, None]
     aq = tl.load(qs_g + j[:, None] * 32 + c[None, :]).to(tl.int32)  # [8, 32]
     d8 = tl.load(d8_g + j)[None, :]  # [1, 8]
-    # sub-block j: low (j even) or high nibbles of bytes 16 + 32 * (j // 2) + c
-    offs = (16 + 32 * (j // 2))[:, None] + c[None, :]  # [8, 32]
+    # sub-block j: low (j even) or high nibbles of bytes first + 32 * (j // 2) + c
+    first = 48 if FIVE_BITS else 16
+    offs = (first + 32 * (j // 2))[:, None] + c[None, :]  # [8, 32]
     byte = tl.load(rows[:, None, None] + offs[None, :, :], mask=m3, other=0).to(tl.int32)
     q = (byte >> (4 * (j % 2))[None, :, None]) & 0xF
+    if FIVE_BITS:
+        qh = tl.load(rows[:, None, None] + 16 + c[None, None, :], mask=m3, other=0).to(
+            tl.int32
+        )  # [BN, 1, 32]
+        q = q | (((qh >> j[None, :, None]) & 1) << 4)
     isum = tl.sum(q * aq[None, :, :], axis=2)  # [BN, 8]
     # 6-bit scales and mins: bytes 4-7 (a), 8-11 (b), 12-15 (c) as in dequant._unpack_k4_scales
     at = rows[:, None] + (j % 4)[None, :]
@@ -241,8 +249,8 @@ def _experts_gemv_q8_1_kernel(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for g in range(0, tl.cdiv(K, 256)):  # 256 elements a step
         blk = rows + g * GROUP_BYTES
-        if FMT == Q4_K:
-            acc += _dot_q4_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
+        if FMT == Q4_K or FMT == Q5_K:  # noqa: SIM109 - triton has no `in`
+            acc += _dot_q4_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8, FMT == Q5_K)
         elif FMT == Q6_K:
             acc += _dot_q6_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
         else:

@@ -18,13 +18,24 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.weights import FORMAT_CODES, FORMAT_NAMES, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, KernelWeight
+from moerun.kernels.weights import (
+    FORMAT_CODES,
+    FORMAT_NAMES,
+    Q2_K,
+    Q4_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    KernelWeight,
+)
 from moerun.quant.q8_1 import Q8_1, dot_q8_1, quantize_q8_1
 
 # Formats with an integer q8_1 path, and the bytes of weights one loop step covers (256 elements:
 # one k-quant super-block, or eight 32-element blocks).
 Q8_1_GROUP_BYTES = {FORMAT_CODES["q8_0"]: 8 * 34, FORMAT_CODES["q4_0"]: 8 * 18, FORMAT_CODES["mxfp4"]: 8 * 17}
 Q8_1_GROUP_BYTES |= {FORMAT_CODES["q4_k"]: 144, FORMAT_CODES["q5_k"]: 176, FORMAT_CODES["q6_k"]: 210}
+Q8_1_GROUP_BYTES |= {FORMAT_CODES["q2_k"]: 84}
 QK = 32  # elements per q8_1 block
 
 GEMV_Q8_1_CONFIG = {"BLOCK_N": 16, "num_warps": 4}
@@ -206,6 +217,27 @@ def _dot_q4_k(rows, n_mask, qs_g, d8_g, FIVE_BITS: tl.constexpr):
 
 
 @triton.jit
+def _dot_q2_k(rows, n_mask, qs_g, d8_g):
+    """One Q2_K super-block (byte pointers [BN]) with q8_1 quants qs_g [256], d8_g [8] -> fp32 [BN].
+    Element i: half h = i // 128 takes bytes 16 + 32h + (i % 32), at shift 2 * ((i % 128) // 32);
+    sub-block j = i // 16 has scale (byte j & 15) and min (byte j >> 4)."""
+    j = tl.arange(0, 16)  # sub-blocks of 16
+    el = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16, 16] element index
+    m2 = n_mask[:, None]
+    m3 = n_mask[:, None, None]
+    byte = tl.load(rows[:, None, None] + (16 + 32 * (el // 128) + el % 32)[None, :, :], mask=m3, other=0)
+    q = (byte.to(tl.int32) >> (2 * ((el % 128) // 32))[None, :, :]) & 3
+    aq = tl.load(qs_g + el).to(tl.int32)  # [16, 16]
+    isum = tl.sum(q * aq[None, :, :], axis=2)  # [BN, 16]
+    packed = tl.load(rows[:, None] + j[None, :], mask=m2, other=0).to(tl.int32)
+    d8 = tl.load(d8_g + j // 2)[None, :]  # a q8_1 block spans two sub-blocks
+    qsum = tl.sum(aq, axis=1)[None, :]  # [1, 16]
+    sumf_d = tl.sum(d8 * (isum * (packed & 15)).to(tl.float32), axis=1)
+    sumf_m = tl.sum(d8 * (qsum * (packed >> 4)).to(tl.float32), axis=1)
+    return _fp16_at(rows + 80, n_mask) * sumf_d - _fp16_at(rows + 82, n_mask) * sumf_m
+
+
+@triton.jit
 def _dot_q6_k(rows, n_mask, qs_g, d8_g):
     """One Q6_K super-block (byte pointers [BN]) with q8_1 quants qs_g [256], d8_g [8] -> fp32 [BN]."""
     j = tl.arange(0, 16)  # sub-blocks of 16
@@ -251,6 +283,8 @@ def _experts_gemv_q8_1_kernel(
         blk = rows + g * GROUP_BYTES
         if FMT == Q4_K or FMT == Q5_K:  # noqa: SIM109 - triton has no `in`
             acc += _dot_q4_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8, FMT == Q5_K)
+        elif FMT == Q2_K:
+            acc += _dot_q2_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
         elif FMT == Q6_K:
             acc += _dot_q6_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
         else:

@@ -55,7 +55,16 @@ INTERMEDIATE = 1536  # the GLU kinds' UP_OFFSET constexpr
 FORMATS = [
     "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4", "mxfp4_gpt_oss", "q5_k", "q2_k", "q3_k"
 ]  # fmt: skip
-Q8_1_FORMATS = ["q8_0", "q4_0", "mxfp4", "q2_k", "q4_k", "q5_k", "q6_k"]  # as decode_q8_1.Q8_1_GROUP_BYTES
+Q8_1_FORMATS = [
+    "q8_0",
+    "q4_0",
+    "mxfp4",
+    "q2_k",
+    "q3_k",
+    "q4_k",
+    "q5_k",
+    "q6_k",
+]  # as decode_q8_1.Q8_1_GROUP_BYTES
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # Element type of each pointer argument, by name, where it is the same in every kernel and case.

@@ -35,7 +35,7 @@ PERM = [4, 0, 6, 2, 5]  # slot of expert e
 H, I = 97, 45  # float path: odd sizes
 SMALL = {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4}  # several K steps at these sizes
 ACTS = {"silu": GLU("silu"), "gpt_oss": GptOssSwiGLU(alpha=1.702, limit=7.0)}
-Q8_1_FORMATS = ["q8_0", "q4_0", "mxfp4", "q2_k", "q4_k", "q5_k", "q6_k"]
+Q8_1_FORMATS = ["q8_0", "q4_0", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -61,6 +61,7 @@ def _random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> QTensor:
     fields = {"q8_0": [(0, 1e-3)], "q4_0": [(0, 1e-2)], "q4_k": [(0, 2e-4), (2, 2e-4)], "q6_k": [(208, 5e-5)]}
     fields["q5_k"] = [(0, 1e-4), (2, 1e-4)]
     fields["q2_k"] = [(80, 1e-3), (82, 1e-3)]
+    fields["q3_k"] = [(108, 5e-4)]
     for offset, scale in fields.get(fmt, []):
         d = (torch.rand(data.shape[:-1], generator=gen) + 0.5) * scale
         data[..., offset : offset + 2] = d.half().view(torch.uint8).reshape(*d.shape, 2)
@@ -193,6 +194,9 @@ def _magnitude(fmt: str, rows: torch.Tensor, act) -> torch.Tensor:
     elif fmt == "mxfp4":
         e, codes = dequant.unpack_mxfp4(blocks)
         w = dequant.e8m0_half_scale(e)[..., None] * torch.tensor(dequant.MXFP4_VALUES).abs()[codes.long()]
+    elif fmt == "q3_k":
+        d, sc, q = dequant.unpack_q3_k(blocks)
+        w = (d[..., None] * sc.float()).abs().repeat_interleave(16, -1) * q.float().abs()
     elif fmt == "q2_k":
         d, dmin, sc, m, q = dequant.unpack_q2_k(blocks)
         step = (d[..., None] * sc.float()).abs().repeat_interleave(16, -1)

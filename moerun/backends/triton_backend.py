@@ -30,7 +30,7 @@ from moerun.kernels.graph import GraphedStep
 from moerun.kernels.weights import FORMAT_CODES, FORMAT_NAMES, KernelWeight, kernel_weight
 
 shared_expert = torch_backend.shared_expert
-# Decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q2_k, q4_k, q5_k, q6_k,
+# Decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q2_k..q6_k,
 # mxfp4) on q8_1 activations, as llama.cpp's mmvq does. Off until measured on a GPU: bench/gpu_kernels.py
 # times both paths.
 USE_Q8_1 = False

@@ -22,6 +22,7 @@ from moerun.kernels.weights import (
     FORMAT_CODES,
     FORMAT_NAMES,
     Q2_K,
+    Q3_K,
     Q4_0,
     Q4_K,
     Q5_K,
@@ -35,7 +36,7 @@ from moerun.quant.q8_1 import Q8_1, dot_q8_1, quantize_q8_1
 # one k-quant super-block, or eight 32-element blocks).
 Q8_1_GROUP_BYTES = {FORMAT_CODES["q8_0"]: 8 * 34, FORMAT_CODES["q4_0"]: 8 * 18, FORMAT_CODES["mxfp4"]: 8 * 17}
 Q8_1_GROUP_BYTES |= {FORMAT_CODES["q4_k"]: 144, FORMAT_CODES["q5_k"]: 176, FORMAT_CODES["q6_k"]: 210}
-Q8_1_GROUP_BYTES |= {FORMAT_CODES["q2_k"]: 84}
+Q8_1_GROUP_BYTES |= {FORMAT_CODES["q2_k"]: 84, FORMAT_CODES["q3_k"]: 110}
 QK = 32  # elements per q8_1 block
 
 GEMV_Q8_1_CONFIG = {"BLOCK_N": 16, "num_warps": 4}
@@ -238,6 +239,29 @@ def _dot_q2_k(rows, n_mask, qs_g, d8_g):
 
 
 @triton.jit
+def _dot_q3_k(rows, n_mask, qs_g, d8_g):
+    """One Q3_K super-block (byte pointers [BN]) with q8_1 quants qs_g [256], d8_g [8] -> fp32 [BN].
+    Element i: 2 low bits as Q2_K's (from byte 32 on), minus 4 where bit i // 32 of hmask byte i % 32
+    is clear; sub-block j's 6-bit scale (offset by 32): nibble j // 8 of byte 96 + j % 8, and 2 high
+    bits at shift 2 * (j // 4) of byte 104 + j % 4."""
+    j = tl.arange(0, 16)  # sub-blocks of 16
+    el = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16, 16] element index
+    m2 = n_mask[:, None]
+    m3 = n_mask[:, None, None]
+    byte = tl.load(rows[:, None, None] + (32 + 32 * (el // 128) + el % 32)[None, :, :], mask=m3, other=0)
+    low = (byte.to(tl.int32) >> (2 * ((el % 128) // 32))[None, :, :]) & 3
+    hmask = tl.load(rows[:, None, None] + (el % 32)[None, :, :], mask=m3, other=0).to(tl.int32)
+    q = low - 4 * (1 - ((hmask >> (el // 32)[None, :, :]) & 1))
+    aq = tl.load(qs_g + el).to(tl.int32)  # [16, 16]
+    isum = tl.sum(q * aq[None, :, :], axis=2)  # [BN, 16]
+    lo = tl.load(rows[:, None] + 96 + (j % 8)[None, :], mask=m2, other=0).to(tl.int32)
+    hi = tl.load(rows[:, None] + 104 + (j % 4)[None, :], mask=m2, other=0).to(tl.int32)
+    scale = (((lo >> (4 * (j // 8))[None, :]) & 15) | (((hi >> (2 * (j // 4))[None, :]) & 3) << 4)) - 32
+    d8 = tl.load(d8_g + j // 2)[None, :]  # a q8_1 block spans two sub-blocks
+    return _fp16_at(rows + 108, n_mask) * tl.sum(d8 * (isum * scale).to(tl.float32), axis=1)
+
+
+@triton.jit
 def _dot_q6_k(rows, n_mask, qs_g, d8_g):
     """One Q6_K super-block (byte pointers [BN]) with q8_1 quants qs_g [256], d8_g [8] -> fp32 [BN]."""
     j = tl.arange(0, 16)  # sub-blocks of 16
@@ -285,6 +309,8 @@ def _experts_gemv_q8_1_kernel(
             acc += _dot_q4_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8, FMT == Q5_K)
         elif FMT == Q2_K:
             acc += _dot_q2_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
+        elif FMT == Q3_K:
+            acc += _dot_q3_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
         elif FMT == Q6_K:
             acc += _dot_q6_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
         else:

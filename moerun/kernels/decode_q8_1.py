@@ -218,6 +218,17 @@ def _dot_q4_k(rows, n_mask, qs_g, d8_g, FIVE_BITS: tl.constexpr):
 
 
 @triton.jit
+def _two_bit_quants(qs, n_mask, el):
+    """The 2-bit fields of Q2_K / Q3_K elements `el` (int [16, 16] in [0, 256)), their 64 bytes at
+    byte pointers qs [BN]: element i in byte 32 * (i // 128) + i % 32 at shift 2 * ((i % 128) // 32).
+    -> int32 [BN, 16, 16]."""
+    byte = tl.load(
+        qs[:, None, None] + (32 * (el // 128) + el % 32)[None, :, :], mask=n_mask[:, None, None], other=0
+    )
+    return (byte.to(tl.int32) >> (2 * ((el % 128) // 32))[None, :, :]) & 3
+
+
+@triton.jit
 def _dot_q2_k(rows, n_mask, qs_g, d8_g):
     """One Q2_K super-block (byte pointers [BN]) with q8_1 quants qs_g [256], d8_g [8] -> fp32 [BN].
     Element i: half h = i // 128 takes bytes 16 + 32h + (i % 32), at shift 2 * ((i % 128) // 32);
@@ -225,9 +236,7 @@ def _dot_q2_k(rows, n_mask, qs_g, d8_g):
     j = tl.arange(0, 16)  # sub-blocks of 16
     el = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16, 16] element index
     m2 = n_mask[:, None]
-    m3 = n_mask[:, None, None]
-    byte = tl.load(rows[:, None, None] + (16 + 32 * (el // 128) + el % 32)[None, :, :], mask=m3, other=0)
-    q = (byte.to(tl.int32) >> (2 * ((el % 128) // 32))[None, :, :]) & 3
+    q = _two_bit_quants(rows + 16, n_mask, el)
     aq = tl.load(qs_g + el).to(tl.int32)  # [16, 16]
     isum = tl.sum(q * aq[None, :, :], axis=2)  # [BN, 16]
     packed = tl.load(rows[:, None] + j[None, :], mask=m2, other=0).to(tl.int32)
@@ -247,10 +256,10 @@ def _dot_q3_k(rows, n_mask, qs_g, d8_g):
     j = tl.arange(0, 16)  # sub-blocks of 16
     el = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16, 16] element index
     m2 = n_mask[:, None]
-    m3 = n_mask[:, None, None]
-    byte = tl.load(rows[:, None, None] + (32 + 32 * (el // 128) + el % 32)[None, :, :], mask=m3, other=0)
-    low = (byte.to(tl.int32) >> (2 * ((el % 128) // 32))[None, :, :]) & 3
-    hmask = tl.load(rows[:, None, None] + (el % 32)[None, :, :], mask=m3, other=0).to(tl.int32)
+    low = _two_bit_quants(rows + 32, n_mask, el)
+    hmask = tl.load(rows[:, None, None] + (el % 32)[None, :, :], mask=n_mask[:, None, None], other=0).to(
+        tl.int32
+    )
     q = low - 4 * (1 - ((hmask >> (el // 32)[None, :, :]) & 1))
     aq = tl.load(qs_g + el).to(tl.int32)  # [16, 16]
     isum = tl.sum(q * aq[None, :, :], axis=2)  # [BN, 16]

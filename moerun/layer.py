@@ -20,7 +20,7 @@ from moerun.experts import ExpertWeights
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
-from moerun.routing import RouterError, RouteSpec, check_logits, route, router_logits
+from moerun.routing import RouterError, RouteSpec, check_logits, deferred_check, route, router_logits
 from moerun.trace import layer_trace
 
 
@@ -116,6 +116,8 @@ class MoELayer:
         self.batch_backend = self.backend if streams_prefill else get_backend("torch")
         self.workspace = Workspace()
         self._route_ms = 0.0
+        # set by MoEModel.forward: router checks collected for one read-back per pass (None: checked here)
+        self.deferred_checks: list | None = None
 
     @classmethod
     def from_tensors(
@@ -182,11 +184,14 @@ class MoELayer:
         route_start = time.perf_counter()
         with trace.stage("route", x.device):
             logits = router_logits(x, t["router.weight"], t.get("router.bias"))  # [T, E] fp32
-            try:
-                check_logits(logits, self.name)
-            except RouterError:
-                trace.router_figures(logits, None, None, spec.num_experts)
-                raise
+            if self.deferred_checks is not None:  # the model reads every layer's check back at once
+                self.deferred_checks.append(deferred_check(logits, self.name))
+            else:
+                try:
+                    check_logits(logits, self.name)
+                except RouterError:
+                    trace.router_figures(logits, None, None, spec.num_experts)
+                    raise
             weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
             trace.router_figures(logits, ids, weights, spec.num_experts)
         self._route_ms = 1e3 * (time.perf_counter() - route_start)

@@ -151,3 +151,19 @@ def check_logits(logits: torch.Tensor, layer_name: str) -> None:
             f"(tokens {bad_tokens[:8]}{'...' if len(bad_tokens) > 8 else ''}); the hidden state or the "
             "router weights of this layer are broken."
         )
+
+
+# (all logits finite: a 0-d bool tensor on the logits' device, the logits, the layer's name)
+RouterCheck = tuple[torch.Tensor, torch.Tensor, str]
+
+
+def deferred_check(logits: torch.Tensor, layer_name: str) -> RouterCheck:
+    """What `check_logits` would test, left on the device, for `raise_on_bad_router_logits`."""
+    return torch.isfinite(logits).all(), logits, layer_name
+
+
+def raise_on_bad_router_logits(checks: list[RouterCheck]) -> None:
+    """`check_logits` of the first layer whose deferred check failed; one host read for them all."""
+    if checks and not bool(torch.stack([finite for finite, _, _ in checks]).all()):
+        for _, logits, layer_name in checks:
+            check_logits(logits, layer_name)

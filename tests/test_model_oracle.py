@@ -107,3 +107,19 @@ def test_seeded_sampling_is_reproducible(tmp_path):
 
     assert sample(1) == sample(1)
     assert sample(1) != sample(2)
+
+
+def test_bad_router_logits_name_the_first_bad_layer_after_one_read_back(tmp_path):
+    """The model reads every layer's router check back once per pass (no host sync per layer); a
+    non-finite logit still gets check_logits' message, for the first layer that had one."""
+    from moerun.routing import RouterError
+
+    model = moerun.load(save_model(make_model("olmoe"), tmp_path / "olmoe"), dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    model.mlps[2].tensors["router.weight"][1, 0] = float("inf")
+    with pytest.raises(RouterError, match=r"layer 'layers\.2\.moe'.* 0 NaN and 6 inf"):
+        model.logits(ids)
+    model.mlps[1].tensors["router.weight"][0, 0] = float("nan")
+    with pytest.raises(RouterError, match=r"layer 'layers\.1\.moe'.*6 NaN"):
+        model.logits(ids)
+    assert all(moe.deferred_checks is None for moe in model.mlps)  # the layers check alone again

@@ -24,7 +24,7 @@ from moerun.offload import ExpertCache, LayerStream
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
-from moerun.routing import router_logits
+from moerun.routing import RouterCheck, raise_on_bad_router_logits, router_logits
 from moerun.sampling import Sampler, SamplingParams
 from moerun.text.stops import StopMatcher
 from moerun.text.tokenizer import StreamDecoder, Tokenizer
@@ -140,6 +140,25 @@ class MoEModel:
         x = F.embedding(ids.to(self.device), self.embed)  # [B, T, H]
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
+        # each MoE layer's router-logit check, read back once for the whole pass rather than once a
+        # layer (a host sync per layer would stall a GPU between layers)
+        checks: list[RouterCheck] = []
+        moes = [mlp for mlp in self.mlps if isinstance(mlp, MoELayer)]
+        for moe in moes:
+            moe.deferred_checks = checks
+        try:
+            x = self._layers(x, cos_sin, cache, start)
+        finally:
+            for moe in moes:
+                moe.deferred_checks = None
+        raise_on_bad_router_logits(checks)
+        cache.length = start + T
+        if self.expert_cache is not None:
+            self.expert_cache.end_step()
+        return rms_norm(x, self.norm, eps)
+
+    def _layers(self, x: torch.Tensor, cos_sin, cache: KVCache, start: int) -> torch.Tensor:
+        eps = self.config.norm_eps
         for i, (attn, mlp) in enumerate(zip(self.attentions, self.mlps, strict=True)):
             x = x + attn(rms_norm(x, self.attn_norms[i], eps), cos_sin, cache.keys[i], cache.values[i], start)
             h = rms_norm(x, self.mlp_norms[i], eps)
@@ -148,10 +167,7 @@ class MoEModel:
                 x = x + mlp(h, after_fetch=functools.partial(self._prefetch, self._next_moe[i], x))
             else:
                 x = x + mlp(h)
-        cache.length = start + T
-        if self.expert_cache is not None:
-            self.expert_cache.end_step()
-        return rms_norm(x, self.norm, eps)
+        return x
 
     def _prefetch(self, layer: int, x: torch.Tensor) -> None:
         """Start loading the `prefetch_k` experts MoE layer `layer`'s router ranks highest for the

@@ -40,7 +40,6 @@ from moerun.kernels.decode_q8_1 import (
     store_q8_1,
 )
 from moerun.kernels.weights import FORMAT_NAMES, KernelWeight, load_weight_tile
-from moerun.quant.dequant import dequantize_bytes
 from moerun.quant.formats import get_format
 from moerun.quant.q8_1 import Q8_1, quantize_q8_1
 
@@ -145,17 +144,10 @@ def down_experts(
     return _gemv(a.contiguous(), down.k, slots, experts, weights, down, bias, True, k, config)
 
 
-def _dense_expert(w: KernelWeight, slot: int) -> torch.Tensor:
-    """The weights in slot `slot`, fp32 [n, k], dequantised in plain torch."""
-    if FORMAT_NAMES[w.fmt] in ("f32", "f16", "bf16"):
-        return w.data[slot].float()
-    return dequantize_bytes(get_format(FORMAT_NAMES[w.fmt]), w.data[slot], torch.float32)
-
-
 def gate_up_experts_reference(x, slots, experts, gate_up, gate_up_bias, config=None) -> torch.Tensor:
     rows = []
     for slot, e in zip(slots.tolist(), experts.tolist(), strict=True):
-        h = _dense_expert(gate_up, slot) @ x.float()
+        h = gate_up.values(slot) @ x.float()
         rows.append(h if gate_up_bias is None else h + gate_up_bias[e].float())
     return torch.stack(rows)
 
@@ -163,7 +155,7 @@ def gate_up_experts_reference(x, slots, experts, gate_up, gate_up_bias, config=N
 def down_experts_reference(a, slots, experts, down, down_bias, weights, config=None) -> torch.Tensor:
     rows = []
     for i, (slot, e) in enumerate(zip(slots.tolist(), experts.tolist(), strict=True)):
-        y = _dense_expert(down, slot) @ a[i].float()
+        y = down.values(slot) @ a[i].float()
         rows.append(y if down_bias is None else y + weights[i] * down_bias[e].float())
     return torch.stack(rows)
 

@@ -25,9 +25,7 @@ import triton.language as tl
 from moerun.activations import Activation
 from moerun.kernels.activation import activate, activation_args
 from moerun.kernels.device_plan import DevicePlan
-from moerun.kernels.weights import FORMAT_NAMES, KernelWeight, load_weight_tile
-from moerun.quant.dequant import dequantize
-from moerun.quant.formats import QTensor, get_format
+from moerun.kernels.weights import KernelWeight, load_weight_tile
 
 DEFAULT_CONFIG = {
     "BLOCK_M": 64,  # rows per block: the plan's block_m
@@ -316,14 +314,6 @@ def moe_prefill(
 
 
 # --------------------------------------------------------------------------------------- references
-def _dense_weight(weight: KernelWeight) -> torch.Tensor:
-    """[E, n, k] fp32 values of a kernel weight, by moerun.quant's dequantiser."""
-    if weight.data.dtype != torch.uint8:
-        return weight.data.float()
-    name = FORMAT_NAMES[weight.fmt]
-    return dequantize(QTensor(get_format(name), (weight.data.shape[0], weight.n, weight.k), weight.data))
-
-
 def _expert_rows(plan: DevicePlan) -> list[tuple[int, torch.Tensor]]:
     """(expert, its padded rows that hold assignments) for each expert with rows."""
     offsets, counts = plan.offsets.tolist(), plan.counts.tolist()
@@ -336,7 +326,7 @@ def _expert_rows(plan: DevicePlan) -> list[tuple[int, torch.Tensor]]:
 
 def gate_up_activation_reference(x, plan, gate_up, gate_up_bias, act, config=None) -> torch.Tensor:
     """gate_up_activation in torch; rows outside the experts' assignments are 0."""
-    weight = _dense_weight(gate_up).to(x.dtype).float()  # the dot reads weights in x's dtype
+    weight = gate_up.values().to(x.dtype).float()  # the dot reads weights in x's dtype
     a = torch.zeros(plan.max_rows, gate_up.n // 2, dtype=x.dtype, device=x.device)
     for e, rows in _expert_rows(plan):
         tokens = plan.sorted_rows[rows].long() // plan.top_k
@@ -349,7 +339,7 @@ def gate_up_activation_reference(x, plan, gate_up, gate_up_bias, act, config=Non
 
 def down_weighted_reference(a, plan, down, down_bias, config=None) -> torch.Tensor:
     """down_weighted in torch; rows outside the experts' assignments are 0."""
-    weight = _dense_weight(down).to(a.dtype).float()
+    weight = down.values().to(a.dtype).float()
     out = torch.zeros(plan.max_rows, down.n, dtype=torch.float32, device=a.device)
     for e, rows in _expert_rows(plan):
         y = a[rows].float() @ weight[e].T  # [R, H]

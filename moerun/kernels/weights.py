@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.quant.formats import QTensor
+from moerun.quant.dequant import dequantize_bytes
+from moerun.quant.formats import QTensor, get_format
 
 # FMT codes: a format's code is its index here; the names are moerun.quant.formats names.
 FORMAT_NAMES = (
@@ -181,6 +182,14 @@ class KernelWeight:
     k: int  # input features
     row_stride: int
     expert_stride: int
+
+    def values(self, expert: int | None = None) -> torch.Tensor:
+        """fp32 values of every expert [E, n, k] (or of one, [n, k]), by moerun.quant's dequantiser:
+        what the torch references compute with."""
+        data = self.data if expert is None else self.data[expert]
+        if data.dtype != torch.uint8:
+            return data.float()
+        return dequantize_bytes(get_format(FORMAT_NAMES[self.fmt]), data, torch.float32)
 
 
 def kernel_weight(weight: torch.Tensor | QTensor) -> KernelWeight:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from moerun.bench import SHAPES, BenchShape, random_layer  # noqa: E402
+from moerun.bench import SHAPES, BenchShape, copy_bandwidth, random_layer  # noqa: E402
 from moerun.layer import MoELayer  # noqa: E402
 from moerun.quant.formats import QTensor, get_format  # noqa: E402
 
@@ -75,16 +75,6 @@ def make_layer(shape_name: str, fmt: str, backend: str, device: str, smoke: bool
         for name in ("experts.gate_up", "experts.down"):
             tensors[name] = random_blocks(fmt, tuple(tensors[name].shape), device, gen)
     return MoELayer(dense.spec, tensors, name=f"bench.{shape_name}", backend=backend, dtype=torch.bfloat16)
-
-
-def copy_bandwidth(device: str, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy, reads plus writes, best of 10."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(10):
-        best = min(best, _seconds(lambda: dst.copy_(src), device, 1))
-    return 2 * nbytes / best
 
 
 def _seconds(fn, device: str, repeats: int) -> float:
@@ -189,7 +179,7 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokens = 8 if args.smoke else args.tokens
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)"
-    bandwidth = copy_bandwidth(device, (1 << 20) if args.smoke else (2 << 30))
+    bandwidth = copy_bandwidth(device, (1 << 20) if args.smoke else (2 << 30), repeats=10)
     results = dict(device=gpu, torch=torch.__version__, copy_gb_s=bandwidth / 1e9, decode=[], prefill=[])
     print(f"{gpu}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (torch {torch.__version__})")
     print(f"{'decode, one MoE layer':32} {'expert MB':>9} {'roofline us':>11} {'layer us':>9} {'x':>5} "

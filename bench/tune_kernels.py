@@ -30,7 +30,7 @@ from gpu_kernels import SHAPES, SMOKE, _seconds, random_blocks  # noqa: E402
 
 from moerun.activations import GLU  # noqa: E402
 from moerun.kernels import decode, grouped_gemm  # noqa: E402
-from moerun.kernels.configs import CONFIG_DIR, device_name, gpu_file_name, launch_config  # noqa: E402
+from moerun.kernels.configs import CONFIG_DIR, device_name, gpu_file_name, launch_config, plan_block_m  # noqa: E402
 from moerun.kernels.device_plan import build_device_plan  # noqa: E402
 from moerun.kernels.weights import kernel_weight  # noqa: E402
 from moerun.models import family  # noqa: E402
@@ -79,7 +79,7 @@ def launches(kernel: str, spec, gate_up, down, device: str, tokens: int):
     ids = torch.stack(
         [torch.randperm(spec.num_experts, generator=gen, device=device)[:k] for _ in range(tokens)]
     )
-    block_m = launch_config("prefill_gate_up", "", 0, 0, device_name(torch.device(device)))["BLOCK_M"]
+    block_m = plan_block_m(device_name(torch.device(device)))
     plan = build_device_plan(ids, torch.full(ids.shape, 1.0 / k, device=device), spec.num_experts, block_m)
     used = plan.sorted_rows < tokens * k  # [max_rows]: rows that hold an assignment
     if kernel == "prefill_gate_up":

@@ -24,10 +24,10 @@ from moerun.backends import torch_backend
 from moerun.backends.workspace import Workspace
 from moerun.experts import ExpertWeights
 from moerun.kernels import decode, grouped_gemm
-from moerun.kernels.configs import device_name, launch_config
+from moerun.kernels.configs import device_name, launch_config, plan_block_m
 from moerun.kernels.device_plan import DevicePlan, build_device_plan
 from moerun.kernels.graph import GraphedStep
-from moerun.kernels.weights import FORMAT_CODES, FORMAT_NAMES, KernelWeight, kernel_weight
+from moerun.kernels.weights import FORMAT_NAMES, KernelWeight, kernel_weight
 
 shared_expert = torch_backend.shared_expert
 # Decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q2_k..q6_k,
@@ -38,11 +38,8 @@ STREAMS_PREFILL = False  # one grouped GEMM reads every touched expert at once
 
 
 def unsupported(experts: ExpertWeights) -> str | None:
-    """Why the kernels cannot run these experts, or None when they can."""
-    for name, weight in (("gate_up", experts.gate_up), ("down", experts.down)):
-        fmt = getattr(weight, "format", None)
-        if fmt is not None and fmt.name not in FORMAT_CODES:
-            return f"the Triton kernels cannot read {fmt.name} weights ({name})"
+    """Why the kernels cannot run these experts, or None when they can (they read every weight
+    format: moerun.kernels.weights)."""
     if experts.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"the Triton kernels compute in fp32, bf16 or f16, not {experts.dtype}"
     return None
@@ -65,8 +62,7 @@ def token_plan(ids: torch.Tensor, weights: torch.Tensor, layer_name: str = "moe"
 
 
 def batch_plan(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> DevicePlan:
-    block_m = launch_config("prefill_gate_up", "", 0, 0, device_name(ids.device))["BLOCK_M"]
-    return build_device_plan(ids, weights, num_experts, block_m)
+    return build_device_plan(ids, weights, num_experts, plan_block_m(device_name(ids.device)))
 
 
 # ------------------------------------------------------------------------- weights as kernels read them

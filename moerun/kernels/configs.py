@@ -61,3 +61,9 @@ def launch_config(
             if key in table:
                 return dict(table[key])
     raise ValueError(f"{config_dir / 'default.json'} has no entry for kernel {kernel!r}.")
+
+
+def plan_block_m(gpu: str | None, config_dir: Path = CONFIG_DIR) -> int:
+    """Rows per block of the prefill plan: the "prefill_gate_up" entry's BLOCK_M (one for every
+    format and shape, as one plan serves both grouped GEMMs of a layer)."""
+    return launch_config("prefill_gate_up", "", 0, 0, gpu, config_dir)["BLOCK_M"]

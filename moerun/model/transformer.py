@@ -119,6 +119,7 @@ class MoEModel:
                 self.mlps.append(DenseMLP(dense(p + "mlp.gate_up"), dense(p + "mlp.down"), act))
         moe_layers = [i for i, moe in enumerate(config.moe_layers) if moe]
         self._next_moe = {a: b for a, b in zip(moe_layers, moe_layers[1:], strict=False)}
+        self._moes = [self.mlps[i] for i in moe_layers]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         if max_len > self.config.max_positions:
@@ -143,13 +144,12 @@ class MoEModel:
         # each MoE layer's router-logit check, read back once for the whole pass rather than once a
         # layer (a host sync per layer would stall a GPU between layers)
         checks: list[RouterCheck] = []
-        moes = [mlp for mlp in self.mlps if isinstance(mlp, MoELayer)]
-        for moe in moes:
+        for moe in self._moes:
             moe.deferred_checks = checks
         try:
             x = self._layers(x, cos_sin, cache, start)
         finally:
-            for moe in moes:
+            for moe in self._moes:
                 moe.deferred_checks = None
         raise_on_bad_router_logits(checks)
         cache.length = start + T

@@ -117,7 +117,7 @@ def bench_decode(shape_name: str, fmt: str, q8_1: bool, device: str, bandwidth: 
     prepared = triton_backend._prepared(layer.experts, torch.device(device))
     ids = torch.arange(spec.top_k, dtype=torch.int32, device=device)
     weights = torch.full((spec.top_k,), 1.0 / spec.top_k, device=device)
-    step = prepared.decode_graph(x[0], spec.top_k, spec.activation)
+    step = prepared.decode_graph(x[0], spec.top_k, spec.activation, layer.experts.dtype)
     experts_only = _median(lambda: step.run(x=x[0], slots=ids, experts=ids, weights=weights), device, repeats)
     roofline = spec.top_k * expert_bytes(layer) / bandwidth
     return dict(

@@ -98,11 +98,12 @@ class _Prepared:
             return expert_ids
         return self.stream.slot_ids(expert_ids)
 
-    def decode_graph(self, x: torch.Tensor, k: int, act: Activation) -> GraphedStep:
+    def decode_graph(self, x: torch.Tensor, k: int, act: Activation, dtype: torch.dtype) -> GraphedStep:
+        """The layer's decode step over fixed buffers (x in the compute `dtype`), made on first use."""
         if self.graph is None:
             device = x.device
             buffers = {
-                "x": torch.zeros(x.shape, dtype=x.dtype, device=device),
+                "x": torch.zeros(x.shape, dtype=dtype, device=device),
                 "slots": torch.zeros(k, dtype=torch.int32, device=device),
                 "experts": torch.zeros(k, dtype=torch.int32, device=device),
                 "weights": torch.zeros(k, dtype=torch.float32, device=device),
@@ -166,6 +167,6 @@ def token_forward(
 ) -> torch.Tensor:
     """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
     p = _prepared(experts, x.device)
-    step = p.decode_graph(x.to(experts.dtype), plan.experts.numel(), act)
+    step = p.decode_graph(x, plan.experts.numel(), act, experts.dtype)
     out = step.run(x=x, slots=p.slots(plan.experts), experts=plan.experts, weights=plan.weights)
     return out.clone()  # the graph's output buffer is rewritten by the next step

@@ -17,6 +17,7 @@ from moerun.activations import GLU, Activation
 from moerun.backends import Backend, get_backend
 from moerun.backends.workspace import Workspace
 from moerun.experts import ExpertWeights
+from moerun.model.placement import place
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
@@ -145,13 +146,14 @@ class MoELayer:
                 placed[key] = tensor
                 continue
             if isinstance(tensor, QTensor) and key in _EXPERT_PROJECTIONS:
+                # quantised experts stay where the file put them: no BLAS reads them, and the
+                # quantised kernels' sums do not depend on an address
                 placed[key] = QTensor(tensor.format, tensor.shape, tensor.data.to(device).contiguous())
                 continue
             if isinstance(tensor, QTensor):  # small non-expert tensors are used dense
                 tensor = dequantize(tensor)
             target = torch.float32 if key in FP32_TENSORS else dtype
-            out = tensor.detach().to(device=device, dtype=target).contiguous()
-            placed[key] = out.clone() if stream is not None and out.data_ptr() == tensor.data_ptr() else out
+            placed[key] = place(tensor, device, target, own=stream is not None)
         return cls(
             spec, placed, name=name, backend=backend, dtype=dtype, dequant_cache=dequant_cache, stream=stream
         )

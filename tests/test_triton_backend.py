@@ -279,12 +279,16 @@ def test_streamed_decode_reads_experts_from_cache_slots(tmp_path):
 
 def test_a_dropped_layer_releases_its_prepared_kernel_state():
     import gc
+    import weakref
 
     from moerun.backends import triton_backend
 
     layer = _quantised_layer("q8_0", "q8_0", "triton")
     layer(torch.randn(1, QH).to(DEVICE))
+    state = weakref.ref(triton_backend._PREPARED[layer.experts])
+    gc.collect()  # garbage that earlier tests left is collected before the count is taken
     before = len(triton_backend._PREPARED)
     del layer
     gc.collect()
+    assert state() is None  # this layer's state is gone, whatever else the module holds
     assert len(triton_backend._PREPARED) == before - 1

@@ -6,10 +6,15 @@ import ctypes
 import ctypes.util
 import mmap
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
+
+# The start address of every live map made by `map_file` (an entry goes when its map is unmapped),
+# so `release_mapped` can tell a view of a file map from other memory.
+_LIVE_MAPS: set[int] = set()
 
 
 def map_file(path: Path) -> torch.Tensor:
@@ -18,7 +23,11 @@ def map_file(path: Path) -> torch.Tensor:
     never the file, so callers may modify what they are given."""
     if path.stat().st_size == 0:  # mmap refuses empty files
         return torch.empty(0, dtype=torch.uint8)
-    return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
+    array = np.memmap(path, dtype=np.uint8, mode="c")
+    data = torch.from_numpy(array)  # its storage keeps `array`, and so the map, alive
+    _LIVE_MAPS.add(data.data_ptr())
+    weakref.finalize(array, _LIVE_MAPS.discard, data.data_ptr())
+    return data
 
 
 def view_bytes(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -49,10 +58,21 @@ def release_pages(data: torch.Tensor, begin: int, end: int) -> None:
     they have been copied elsewhere, so the loader does not hold a tensor twice. Only whole pages
     inside the range go; the next touch would read them from the file again. Never call it on bytes
     something still uses after writing to them: a private page written to is discarded too."""
-    if _MADVISE is None or data.numel() == 0:
+    if data.numel():
+        _release_range(data.data_ptr() + begin, data.data_ptr() + end)
+
+
+def release_mapped(view: torch.Tensor) -> None:
+    """`release_pages` for a contiguous tensor that may be a view of a `map_file` map (read, never
+    written to): its whole pages go; anything else is left alone."""
+    if view.untyped_storage().data_ptr() in _LIVE_MAPS and view.is_contiguous():
+        _release_range(view.data_ptr(), view.data_ptr() + view.numel() * view.element_size())
+
+
+def _release_range(begin: int, end: int) -> None:
+    if _MADVISE is None:
         return
-    base = data.data_ptr()
-    first = -(-(base + begin) // _PAGE) * _PAGE
-    last = (base + end) // _PAGE * _PAGE
+    first = -(-begin // _PAGE) * _PAGE
+    last = end // _PAGE * _PAGE
     if last > first:
         _MADVISE(first, last - first, _MADV_DONTNEED)

@@ -19,6 +19,7 @@ from moerun.model.attention import Attention, KVCache
 from moerun.model.config import ModelConfig
 from moerun.model.linear import linear
 from moerun.model.norm import rms_norm
+from moerun.model.placement import place
 from moerun.model.rope import Rotary
 from moerun.offload import ExpertCache, LayerStream
 from moerun.quant.cache import DequantCache
@@ -81,9 +82,8 @@ class MoEModel:
         def dense(name: str) -> torch.Tensor:
             t = tensors[name]
             t = dequantize(t) if isinstance(t, QTensor) else t
-            out = t.to(device=self.device, dtype=dtype)
             # streaming: the dense part is resident, off the file's map (only the store reads the file)
-            return out.clone() if expert_cache is not None and out.data_ptr() == t.data_ptr() else out
+            return place(t, self.device, dtype, own=expert_cache is not None)
 
         self.embed = dense("embed.weight")  # [V, H]
         self.lm_head = self.embed if config.tie_embeddings else dense("lm_head.weight")

@@ -196,7 +196,7 @@ def run_bench(
         "top_k": spec.top_k,
         "num_experts": spec.num_experts,
         "peer": None,
-        "peer_note": "--no-peer" if not peer else "transformers not installed: pip install transformers",
+        "peer_note": None,  # why there is no peer, when there is none
     }
     contenders = {"moerun": layer}
     if formats:
@@ -212,6 +212,10 @@ def run_bench(
         block = peer_block(shape.model_type, shape.config, peer_tensors, experts_implementation=peer_impl)
         contenders["peer"] = lambda x: run_peer(block, x)
         results["peer"] = f"transformers {block.__class__.__name__} (experts_implementation={peer_impl})"
+    else:
+        results["peer_note"] = (
+            "--no-peer" if not peer else "transformers not installed: pip install transformers"
+        )
     with torch.inference_mode():
         log("measuring copy bandwidth")
         results["copy_bytes_per_s"] = copy_bandwidth(device)

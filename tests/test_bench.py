@@ -69,6 +69,18 @@ def test_cli_json_has_the_documented_keys(monkeypatch, capsys):
     ):
         assert record[key] > 0
     assert (record["shape"], record["dtype"], record["device"]) == ("tiny", "bf16", "cpu")
+    # a peer ran, so no note explains its absence
+    assert record["peer"].startswith("transformers") and record["peer_note"] is None
+
+
+def test_json_without_peer_says_why(monkeypatch, capsys):
+    record = _bench_json(
+        monkeypatch, capsys, TINY, "--prefill-tokens", "8", "--decode-steps", "2", "--no-peer"
+    )
+    assert record["peer"] is None and record["peer_note"] == "--no-peer"
+    monkeypatch.setattr(bench, "transformers_available", lambda: False)
+    record = _bench_json(monkeypatch, capsys, TINY, "--prefill-tokens", "8", "--decode-steps", "2")
+    assert record["peer"] is None and "transformers not installed" in record["peer_note"]
 
 
 def test_cli_table_without_peer(monkeypatch, capsys):

@@ -1,6 +1,8 @@
 """`moerun inspect` against the configs and tensors the checkpoints were written from."""
 
 import json
+import subprocess
+import sys
 
 from hf_models import make_model, save_gpt_oss_mxfp4, save_model
 
@@ -45,6 +47,22 @@ def test_cli_prints_text_and_json(tmp_path, capsys):
     assert "olmoe" in text and "per expert" in text
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["architecture"] == "olmoe"
+
+
+def test_python_dash_m_moerun_is_the_same_cli(tmp_path, capsys):
+    save_model(make_model("olmoe"), tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-m", "moerun", "inspect", str(tmp_path), "--json"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(run.stdout) == json.loads(capsys.readouterr().out)
+    missing = subprocess.run(
+        [sys.executable, "-m", "moerun", "inspect", str(tmp_path / "nothing-here")],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2 and "nothing-here" in missing.stderr
 
 
 def test_cli_refuses_a_missing_path_in_one_sentence(tmp_path, capsys):

@@ -1,0 +1,7 @@
+"""`python -m moerun ...`: the same command line as `moerun ...`."""
+
+import sys
+
+from moerun.cli import main
+
+sys.exit(main())

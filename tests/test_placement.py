@@ -83,7 +83,9 @@ def test_a_copy_off_a_file_map_gives_its_pages_back_and_other_memory_is_left_alo
 def _rss_of(view: torch.Tensor) -> int:
     """kB resident of the mapping that holds the view (from /proc/self/smaps)."""
     inside = False
-    for line in open("/proc/self/smaps"):
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.readlines()
+    for line in lines:
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             begin, end = (int(part, 16) for part in head.split("-"))

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from moerun.bench import SHAPES, BenchShape, copy_bandwidth, random_layer  # noqa: E402
-from moerun.layer import MoELayer  # noqa: E402
+from moerun.bench.layer import SHAPES, BenchShape, copy_bandwidth, random_layer  # noqa: E402
+from moerun.moe.layer import MoELayer  # noqa: E402
 from moerun.quant.formats import QTensor, get_format  # noqa: E402
 
 # (shape, format of the expert weights) pairs the issue asks for
@@ -104,7 +104,7 @@ def expert_bytes(layer: MoELayer) -> int:
 
 
 def bench_decode(shape_name: str, fmt: str, q8_1: bool, device: str, bandwidth: float, smoke: bool) -> dict:
-    from moerun.backends import triton_backend
+    from moerun.moe.backends import triton_backend
 
     triton_backend.USE_Q8_1 = q8_1  # read when the layer's kernels are first prepared
     layer = make_layer(shape_name, fmt, "triton", device, smoke)
@@ -146,7 +146,7 @@ def grouped_mm_moe(layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights:
 
 
 def bench_prefill(shape_name: str, fmt: str, device: str, tokens: int, smoke: bool) -> dict:
-    from moerun.routing import route, router_logits
+    from moerun.moe.routing import route, router_logits
 
     triton_layer = make_layer(shape_name, fmt, "triton", device, smoke)
     spec = triton_layer.spec

@@ -29,11 +29,11 @@ if not torch.cuda.is_available():
 from gpu_kernels import SHAPES, SMOKE, _seconds, random_blocks  # noqa: E402
 
 from moerun.activations import GLU  # noqa: E402
+from moerun.families import family  # noqa: E402
 from moerun.kernels import decode, grouped_gemm  # noqa: E402
 from moerun.kernels.configs import CONFIG_DIR, device_name, gpu_file_name, launch_config, plan_block_m  # noqa: E402
 from moerun.kernels.device_plan import build_device_plan  # noqa: E402
 from moerun.kernels.weights import kernel_weight  # noqa: E402
-from moerun.models import family  # noqa: E402
 from moerun.quant.formats import get_format  # noqa: E402
 
 CASES = [("gpt-oss-20b", "mxfp4"), ("mixtral-8x7b", "bf16"), ("mixtral-8x7b", "q4_k")]

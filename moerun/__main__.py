@@ -2,6 +2,6 @@
 
 import sys
 
-from moerun.cli import main
+from moerun.cli.main import main
 
 sys.exit(main())

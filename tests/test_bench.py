@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moerun import bench, cli
-from moerun.bench import BenchShape, run_bench
+from moerun.bench import layer as bench
+from moerun.bench.layer import BenchShape, run_bench
+from moerun.cli import main as cli
 
 TINY = BenchShape(
     "qwen3_moe",
@@ -94,7 +95,7 @@ def test_cli_table_without_peer(monkeypatch, capsys):
 
 
 def test_bench_shapes_build_valid_specs():
-    from moerun.models import family
+    from moerun.families import family
 
     expected = {
         "olmoe": (2048, 1024, 64, 8),

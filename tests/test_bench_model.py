@@ -3,7 +3,7 @@
 import torch
 from hf_models import TINY_OLMOE
 
-from moerun.bench_model import build_pair, format_model_table, run_model_bench
+from moerun.bench.model import build_pair, format_model_table, run_model_bench
 
 
 def test_the_pair_shares_weights_and_agrees_in_fp32():

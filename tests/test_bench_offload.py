@@ -9,9 +9,9 @@ import torch
 from hf_models import TINY_OLMOE
 from safetensors.torch import load_file
 
-from moerun.bench_offload import format_offload_table, run_offload_bench, write_checkpoint
-from moerun.bench_pagecache import cached_fraction
-from moerun.load import load
+from moerun.bench.offload import format_offload_table, run_offload_bench, write_checkpoint
+from moerun.bench.pagecache import cached_fraction
+from moerun.checkpoint.load import load
 
 LAYERS, STEPS = 2, 6
 

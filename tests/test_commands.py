@@ -8,8 +8,8 @@ from hf_models import make_model, save_model
 from tiny_tokenizers import CHATML, byte_level_tokenizer, save_hf_dir
 
 import moerun
-from moerun.cli import main
-from moerun.commands import run_chat
+from moerun.cli.chat import run_chat
+from moerun.cli.main import main
 from moerun.text import ChatTemplateError
 
 

@@ -6,8 +6,8 @@ import sys
 
 from hf_models import make_model, save_gpt_oss_mxfp4, save_model
 
-from moerun.cli import main
-from moerun.describe import describe
+from moerun.checkpoint.describe import describe
+from moerun.cli.main import main
 
 
 def test_describes_a_hf_checkpoint_from_its_config(tmp_path):

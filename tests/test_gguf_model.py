@@ -10,8 +10,8 @@ from gguf_from_hf import GGUF_OVERRIDES, QUANT_SIZES, write_gguf, write_unknown_
 from hf_models import FAMILIES, VOCAB, hf_greedy, hf_logits, make_model
 
 import moerun
-from moerun.layer import StateDictError
 from moerun.loader import CheckpointError
+from moerun.moe.layer import StateDictError
 
 # (family, gate format, up format, down format, attention format)
 QUANT_CASES = {

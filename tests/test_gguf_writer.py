@@ -5,8 +5,8 @@ import pytest
 import torch
 from gguf import GGUFReader, GGUFValueType
 
+from moerun.export.gguf_writer import FLOAT32, INT32, UINT64, GGUFWriter
 from moerun.loader import CheckpointError, GGUFFile
-from moerun.loader.gguf_writer import FLOAT32, INT32, UINT64, GGUFWriter
 from moerun.quant.dequant import dequantize
 from moerun.quant.quantize import quantize
 
@@ -86,7 +86,7 @@ def test_an_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
         target.write(source.read(100))  # part of the data section
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("moerun.loader.gguf_writer.shutil.copyfileobj", fail)
+    monkeypatch.setattr("moerun.export.gguf_writer.shutil.copyfileobj", fail)
     with pytest.raises(KeyboardInterrupt):
         w.write(tmp_path / "out.gguf")
     assert list(tmp_path.iterdir()) == []

@@ -20,11 +20,11 @@ pytest.importorskip("triton")
 from conftest import rel_err  # noqa: E402
 
 from moerun.activations import GLU, GptOssSwiGLU  # noqa: E402
-from moerun.backends.torch_backend import combine_token, token_rows  # noqa: E402
-from moerun.experts import ExpertWeights  # noqa: E402
 from moerun.kernels import decode, decode_q8_1  # noqa: E402
 from moerun.kernels.weights import KernelWeight, kernel_weight  # noqa: E402
-from moerun.plan import build_token_plan  # noqa: E402
+from moerun.moe.backends.torch_backend import combine_token, token_rows  # noqa: E402
+from moerun.moe.experts import ExpertWeights  # noqa: E402
+from moerun.moe.plan import build_token_plan  # noqa: E402
 from moerun.quant import dequant  # noqa: E402
 from moerun.quant.formats import QTensor, get_format  # noqa: E402
 from moerun.quant.q8_1 import quantize_q8_1  # noqa: E402
@@ -307,7 +307,7 @@ def test_decode_step_float(gate_up_fmt, down_fmt, act, with_bias, k, tol):
 def plain_matvec(monkeypatch):
     """The torch backend's quantised matvec through dequantised tiles and torch.mv: its fused CPU
     kernels compute the same products but compile per shape, seconds each under test."""
-    monkeypatch.setattr("moerun.experts.has_fused_matvec", lambda fmt: False)
+    monkeypatch.setattr("moerun.moe.experts.has_fused_matvec", lambda fmt: False)
 
 
 @pytest.mark.parametrize("gate_up_fmt,down_fmt,act", [("q4_k", "q6_k", "silu"), ("q6_k", "q8_0", "gpt_oss")])

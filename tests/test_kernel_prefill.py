@@ -1,5 +1,5 @@
 """The Triton prefill path under the interpreter: the device plan against its host-loop reference and
-moerun.plan, each grouped-GEMM kernel against its torch reference, and the chained layer against the
+moerun.moe.plan, each grouped-GEMM kernel against its torch reference, and the chained layer against the
 torch backend (expert_rows + combine), the real reference."""
 
 import os
@@ -13,13 +13,13 @@ from conftest import rel_err  # noqa: E402
 pytest.importorskip("triton")
 
 from moerun.activations import GLU, GptOssSwiGLU  # noqa: E402
-from moerun.backends.torch_backend import combine, expert_rows  # noqa: E402
-from moerun.backends.workspace import Workspace  # noqa: E402
-from moerun.experts import ExpertWeights  # noqa: E402
 from moerun.kernels import grouped_gemm as gg  # noqa: E402
 from moerun.kernels.device_plan import build_device_plan, build_device_plan_reference, plan_capacity  # noqa: E402
 from moerun.kernels.weights import FORMAT_CODES, kernel_weight  # noqa: E402
-from moerun.plan import build_plan  # noqa: E402
+from moerun.moe.backends.torch_backend import combine, expert_rows  # noqa: E402
+from moerun.moe.backends.workspace import Workspace  # noqa: E402
+from moerun.moe.experts import ExpertWeights  # noqa: E402
+from moerun.moe.plan import build_plan  # noqa: E402
 from moerun.quant.formats import get_format  # noqa: E402
 from moerun.quant.quantize import quantize  # noqa: E402
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from hf_blocks import H, make_block
 
-from moerun.layer import StateDictError
-from moerun.models.moe_block import layer_from_transformers
+from moerun.families.moe_block import layer_from_transformers
+from moerun.moe.layer import StateDictError
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
@@ -26,7 +26,7 @@ _RUN_ONCE = """
 import sys, torch
 sys.path.insert(0, 'tests')
 from hf_blocks import H, make_block
-from moerun.models.moe_block import layer_from_transformers
+from moerun.families.moe_block import layer_from_transformers
 block, config = make_block('deepseek_v3')
 x = torch.randn(97, H, generator=torch.Generator().manual_seed(0))
 out = layer_from_transformers('deepseek_v3', config, block.state_dict(), dtype=torch.bfloat16)(x.bfloat16())
@@ -132,7 +132,7 @@ def test_unknown_trace_channel_is_refused(trace_env):
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_export_inverts_sanitize(model_type):
     """The bench's peer gets its weights through export(); it must give back transformers' tensors."""
-    from moerun.models.moe_block import export, sanitize
+    from moerun.families.moe_block import export, sanitize
 
     block, _ = make_block(model_type)
     state = block.state_dict()

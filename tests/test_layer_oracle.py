@@ -5,7 +5,7 @@ import torch
 from conftest import rel_err
 from hf_blocks import H, make_block, run_block
 
-from moerun.models.moe_block import layer_from_transformers
+from moerun.families.moe_block import layer_from_transformers
 
 CASES = {
     "mixtral": {},

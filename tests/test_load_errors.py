@@ -9,9 +9,9 @@ from hf_models import VOCAB, make_model, save_model
 from safetensors.torch import load_file, save_file
 
 import moerun
-from moerun.layer import StateDictError
+from moerun.decoder.model import ContextError
 from moerun.loader import CheckpointError
-from moerun.model.transformer import ContextError
+from moerun.moe.layer import StateDictError
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ def test_streaming_per_expert_names_never_holds_the_experts(tmp_path):
 
 QUANTIZE = r"""
 import sys
-from moerun.cli import main
+from moerun.cli.main import main
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):

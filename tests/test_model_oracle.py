@@ -112,7 +112,7 @@ def test_seeded_sampling_is_reproducible(tmp_path):
 def test_bad_router_logits_name_the_first_bad_layer_after_one_read_back(tmp_path):
     """The model reads every layer's router check back once per pass (no host sync per layer); a
     non-finite logit still gets check_logits' message, for the first layer that had one."""
-    from moerun.routing import RouterError
+    from moerun.moe.routing import RouterError
 
     model = moerun.load(save_model(make_model("olmoe"), tmp_path / "olmoe"), dtype=torch.float32)
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))

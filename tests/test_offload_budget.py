@@ -14,7 +14,7 @@ from moerun.offload import CacheBudgetError
 from moerun.offload.budget import MARGIN_BYTES, auto_budget, free_device_memory
 
 GB = 2**30
-load_module = importlib.import_module("moerun.load")
+load_module = importlib.import_module("moerun.checkpoint.load")
 
 
 def test_a_model_that_fits_stays_resident():

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moerun.plan import build_plan, build_token_plan
+from moerun.moe.plan import build_plan, build_token_plan
 
 
 @st.composite

@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import rel_err
 
-from moerun.layer import MoELayer, MoESpec
+from moerun.moe.layer import MoELayer, MoESpec
+from moerun.moe.routing import SoftmaxTopK
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.quantize import quantize
-from moerun.routing import SoftmaxTopK
 
 QUANTISED = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "mxfp4"]
 H, I, E, K = 256, 256, 4, 2  # k-quant blocks hold 256 elements: H and I are whole blocks

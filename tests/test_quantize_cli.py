@@ -31,9 +31,9 @@ from hf_models import (
 from tiny_tokenizers import STRINGS, VARIANTS, random_text, save_hf_dir
 
 import moerun
-from moerun.cli import main
+from moerun.cli.main import main
+from moerun.export.gguf_writer import GGUFWriter
 from moerun.loader import GGUFFile
-from moerun.loader.gguf_writer import GGUFWriter
 from moerun.quant.dequant import dequantize
 from moerun.quant.quantize import quantize
 from moerun.settings import settings

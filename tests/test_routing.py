@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moerun.routing import (
+from moerun.moe.routing import (
     DeepSeekV2Softmax,
     DeepSeekV3Sigmoid,
     RouterError,
@@ -114,7 +114,7 @@ def test_non_finite_logits_name_the_layer(bad):
 def test_layer_raises_on_nan_input():
     from hf_blocks import H, make_block
 
-    from moerun.models.moe_block import layer_from_transformers
+    from moerun.families.moe_block import layer_from_transformers
 
     block, config = make_block("mixtral")
     layer = layer_from_transformers("mixtral", config, block.state_dict(), name="layers.3.block_sparse_moe")

@@ -12,12 +12,12 @@ from conftest import rel_err
 from hf_blocks import H, make_block, run_block
 from test_layer_oracle import CASES, _family
 
-from moerun.backends import resolve_backend
-from moerun.layer import MoELayer, MoESpec
-from moerun.models.moe_block import layer_from_transformers
+from moerun.families.moe_block import layer_from_transformers
+from moerun.moe.backends import resolve_backend
+from moerun.moe.layer import MoELayer, MoESpec
+from moerun.moe.routing import SoftmaxTopK
 from moerun.quant.dequant import dequantize
 from moerun.quant.quantize import quantize
-from moerun.routing import SoftmaxTopK
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -241,7 +241,7 @@ def test_graphed_step_runs_eagerly_off_cuda():
 def test_integer_decode_path_on_q8_1_activations(monkeypatch):
     """With USE_Q8_1 the k-quant decode multiplies integer quants with q8_1 activations: close to the
     float path (the activations are rounded to 8 bits per block of 32)."""
-    from moerun.backends import triton_backend
+    from moerun.moe.backends import triton_backend
 
     x = torch.randn(1, QH, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     exact = _quantised_layer("q4_k", "q6_k", "triton")(x)
@@ -281,7 +281,7 @@ def test_a_dropped_layer_releases_its_prepared_kernel_state():
     import gc
     import weakref
 
-    from moerun.backends import triton_backend
+    from moerun.moe.backends import triton_backend
 
     layer = _quantised_layer("q8_0", "q8_0", "triton")
     layer(torch.randn(1, QH).to(DEVICE))

@@ -1,5 +1,5 @@
 """A Hugging Face checkpoint -> a GGUF file with quantised experts (`moerun quantize`): the inverse of
-`moerun.models.gguf_checkpoint`, with its name tables, and what llama.cpp's convert_hf_to_gguf.py
+`moerun.checkpoint.gguf`, with its name tables, and what llama.cpp's convert_hf_to_gguf.py
 writes for the arch: its metadata keys, q and k rows permuted for `llama` (LlamaModel.permute), gate
 and up experts stored apart ([E, I, H] each; GPT-OSS's interleaved rows split into even and odd), the
 Qwen2-MoE shared-expert gate stored [H], GPT-OSS's MLP norm named post_attention_norm.
@@ -34,17 +34,17 @@ from types import SimpleNamespace
 
 import torch
 
+from moerun.checkpoint.gguf import gguf_model_config, gguf_name_tables
+from moerun.checkpoint.hf import canonical_tensors
+from moerun.checkpoint.load import hf_model_config
+from moerun.decoder.config import ModelConfig
+from moerun.decoder.model import check_model_tensors
 from moerun.export.convert import ExportError, QuantizeSpec, Tensor, TensorConverter
 from moerun.export.gguf_vocab_export import VocabError, vocab_metadata
-from moerun.load import hf_model_config
+from moerun.export.gguf_writer import GGUFWriter
+from moerun.families import FAMILIES, family
 from moerun.loader import CheckpointError, SafetensorsCheckpoint, resolve_checkpoint
-from moerun.loader.gguf_writer import GGUFWriter
 from moerun.loader.hf_config import read_hf_config
-from moerun.model.config import ModelConfig
-from moerun.model.transformer import check_model_tensors
-from moerun.models import FAMILIES, family
-from moerun.models.gguf_checkpoint import gguf_model_config, gguf_name_tables
-from moerun.models.hf_checkpoint import canonical_tensors
 from moerun.quant.formats import QTensor
 
 # general.file_type (llama.cpp's llama_ftype) by expert format: the "mostly" type of the bulk
@@ -53,7 +53,7 @@ FILE_TYPES = {
     "q6_k": 18, "bf16": 32, "mxfp4": 38,
 }  # fmt: skip
 QUANTIZATION_VERSION = 2  # general.quantization_version of ggml's current block layouts
-_CHECKPOINT_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")  # as moerun.models.hf_checkpoint
+_CHECKPOINT_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")  # as moerun.checkpoint.hf
 _NOT_COMPARED = frozenset({"bos_token_id", "eos_token_ids"})  # those come from the tokenizer keys
 
 

@@ -1,7 +1,7 @@
 """The batched plan as the grouped-GEMM kernels read it, built on the device with no host read-back.
 
 The T·k assignments (numbered `token * k + slot`) are grouped by expert ascending, stable inside an
-expert, exactly as moerun.plan.build_plan orders them; then each expert's group is padded to a whole
+expert, exactly as moerun.moe.plan.build_plan orders them; then each expert's group is padded to a whole
 number of `block_m`-row blocks, so every block of rows belongs to one expert. The buffers have a
 fixed size that covers the worst case for (T, k, E, block_m), so a launch over them is the same for
 every routing and can be captured in a CUDA graph: `build_device_plan` uses only torch ops that

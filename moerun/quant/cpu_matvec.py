@@ -8,7 +8,7 @@ the same arithmetic compiled into one loop reads ~8 GB/s (docs/PERFORMANCE.md). 
 written so inductor can fuse it: blocks viewed as [out, blocks, bytes], scales and quants decoded
 elementwise, the products reduced per block, then across blocks. The first call for a (format,
 shape) compiles (seconds), says so on stderr, and is cached for the process (and by inductor on disk).
-Formats not listed fall back to the tiled eager path in moerun.experts. Measured alone on a 2048x2048
+Formats not listed fall back to the tiled eager path in moerun.moe.experts. Measured alone on a 2048x2048
 matrix (GB/s of quantised bytes, 2 cores): q8_0 5.8, q4_0 2.7, q6_k 2.6, q4_k 2.0-2.5, mxfp4 1.8,
 q5_k 1.7 (hand-fused); q2_k 0.33, q3_k 0.09 (through moerun.quant.dequant's unpack functions,
 which inductor does not fuse well; the numba kernels fuse these too).

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from moerun.quant.formats import FormatError, QFormat, QTensor
+from moerun.quant.formats import FLOAT_DTYPES, FormatError, QFormat, QTensor
 
 F32 = torch.float32
 # Blocks are dequantised a slice of about this many elements at a time, to bound the float32
@@ -292,7 +292,6 @@ BLOCK_DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "mxfp4": _dequant_mxfp4,
     "mxfp4_gpt_oss": _dequant_mxfp4_gpt_oss,
 }
-FLOAT_STORAGE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------- public entry points
@@ -326,8 +325,8 @@ def dequantize_bytes(fmt: QFormat, data: torch.Tensor, dtype: torch.dtype = torc
         )
     out_shape = (*data.shape[:-1], row_bytes // fmt.block_bytes * fmt.block_size)
 
-    if fmt.name in FLOAT_STORAGE:
-        values = _reinterpret(data, FLOAT_STORAGE[fmt.name])
+    if fmt.name in FLOAT_DTYPES:
+        values = _reinterpret(data, FLOAT_DTYPES[fmt.name])
         if values.dtype == dtype:
             return values.clone(memory_format=torch.contiguous_format)
         if values.dtype == torch.float16:

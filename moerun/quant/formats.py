@@ -57,6 +57,8 @@ FORMATS = {
     ]
 }
 FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# the compute dtypes as the command line and the benchmarks name them (torch's "fp32" for f32)
+COMPUTE_DTYPES = {"fp32" if name == "f32" else name: dtype for name, dtype in FLOAT_DTYPES.items()}
 
 
 def get_format(name: str) -> QFormat:

@@ -1,0 +1,180 @@
+"""`moerun bench --model`: a whole generated model (OLMoE's layer shapes, a few layers, random
+bf16 weights) through moerun and through transformers' own model on the very same tensors: a
+prompt's logits (prefill) and single-token steps with a warm KV cache (decode), interleaved call by
+call. transformers is needed for the peer and for building the weights (the `bench` extra)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from moerun.bench.layer import copy_bandwidth, timed
+from moerun.checkpoint.hf import canonical_tensors
+from moerun.decoder.model import MoEModel
+from moerun.families import family
+from moerun.moe.backends import resolve_backend
+from moerun.quant.formats import COMPUTE_DTYPES
+
+# OLMoE-1B-7B's shapes; the layer count is the benchmark's choice
+OLMOE = dict(
+    vocab_size=50304,
+    hidden_size=2048,
+    intermediate_size=1024,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    num_experts=64,
+    num_experts_per_tok=8,
+    max_position_embeddings=4096,
+)
+
+
+def build_pair(
+    layers: int, dtype: torch.dtype, shape: dict | None = None, device: str = "cpu", backend: str = "torch"
+):
+    """(transformers OlmoeForCausalLM, MoEModel) sharing every weight tensor, on `device`; `shape`
+    overrides OLMoE's config values (tests use tiny ones)."""
+    import transformers
+
+    config = transformers.OlmoeConfig(**{**OLMOE, **(shape or {}), "num_hidden_layers": layers})
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        peer = transformers.OlmoeForCausalLM(config)
+    peer = peer.to_empty(device="cpu").to(dtype).eval()
+    # to_empty leaves buffers uninitialised: rebuild the rotary embedding's inverse frequencies
+    peer.model.rotary_emb = type(peer.model.rotary_emb)(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peer.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(dtype))
+    peer = peer.to(device)
+    model_config = family("olmoe").model_config(config.to_dict())
+    state = peer.state_dict()
+    tensors, _ = canonical_tensors("olmoe", model_config, state.keys(), state.__getitem__)
+    return peer, MoEModel(model_config, tensors, dtype=dtype, device=device, backend=backend)
+
+
+def run_model_bench(
+    layers: int = 4,
+    dtype: str = "bf16",
+    prompt_tokens: int = 512,
+    decode_steps: int = 16,
+    repeats: int = 3,
+    shape: dict | None = None,
+    device: str | None = None,
+    backend: str = "auto",
+    log: Callable[[str], None] = lambda s: None,
+) -> dict:
+    from transformers import DynamicCache
+
+    torch_dtype = COMPUTE_DTYPES[dtype]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = resolve_backend(backend, torch.device(device))
+    log(
+        f"building a random {layers}-layer OLMoE-shaped model in {dtype} on {device} ({backend} backend; "
+        "moerun and transformers share it)"
+    )
+    peer, ours = build_pair(layers, torch_dtype, shape, device, backend)
+    vocab = peer.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (1, prompt_tokens), generator=gen).to(device)
+    steps = torch.randint(0, vocab, (decode_steps + 1,), generator=gen).tolist()
+
+    def peer_logits():
+        return peer(ids).logits.float()
+
+    prefill = {"moerun": [], "transformers": []}
+    decode = {"moerun": [], "transformers": []}
+    with torch.inference_mode():
+        log("measuring copy bandwidth")
+        copy = copy_bandwidth(device)
+        log(f"prefill: logits of a {prompt_tokens}-token prompt x{repeats}, interleaved")
+        ours.logits(ids[:, :16]), peer(ids[:, :16])  # warm-up
+        for _ in range(repeats):
+            prefill["moerun"].append(timed(lambda: ours.logits(ids), device))
+            prefill["transformers"].append(timed(peer_logits, device))
+        ours_logits, peer_logits_out = ours.logits(ids), peer_logits()
+        log(f"decode: {decode_steps} single-token steps after a {prompt_tokens}-token prompt, interleaved")
+        cache = ours.new_cache(1, prompt_tokens + len(steps))
+        ours.forward(ids, cache)
+        peer_cache = DynamicCache(config=peer.config)
+        peer(ids, cache=peer_cache, use_cache=True)
+        for i, token in enumerate(steps):
+            tok = torch.tensor([[token]], device=device)
+            t_ours = timed(lambda tok=tok: ours._logits(ours.forward(tok, cache)), device)
+            t_peer = timed(lambda tok=tok: peer(tok, cache=peer_cache, use_cache=True).logits, device)
+            if i:  # the first step pays one-time costs on both sides
+                decode["moerun"].append(t_ours)
+                decode["transformers"].append(t_peer)
+        log("generate: 32-token prompt, 16 new tokens (greedy), each side's own generate, interleaved")
+        prompt = ids[0, :32].tolist()
+        generate = {"moerun": [], "transformers": []}
+        for _ in range(repeats):
+            generate["moerun"].append(timed(lambda: list(ours.generate(prompt, max_new_tokens=16)), device))
+            generate["transformers"].append(
+                timed(
+                    lambda: peer.generate(
+                        ids[:, :32], max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0
+                    )
+                )
+            )
+    generate_s = {k: statistics.median(v) for k, v in generate.items()}
+    prefill_s = {k: statistics.median(v) for k, v in prefill.items()}
+    decode_s = {k: statistics.median(v) for k, v in decode.items()}
+    spec = ours.config.moe
+    expert_bytes = 3 * spec.hidden * spec.intermediate * torch_dtype.itemsize
+    bytes_per_step = (
+        layers * spec.top_k * expert_bytes
+        + sum(t.numel() * t.element_size() for a in ours.attentions for t in a.t.values())
+        + ours.lm_head.numel() * ours.lm_head.element_size()
+    )
+    diff = (ours_logits - peer_logits_out).abs().max() / peer_logits_out.abs().max()
+    return {
+        "model": f"olmoe-shaped, {layers} layers",
+        "dtype": dtype,
+        "device": device,
+        "backend": backend,
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": prompt_tokens,
+        "copy_bytes_per_s": copy,
+        "prefill_tok_s": prompt_tokens / prefill_s["moerun"],
+        "peer_prefill_tok_s": prompt_tokens / prefill_s["transformers"],
+        "prefill_vs_peer": prefill_s["transformers"] / prefill_s["moerun"],
+        "decode_tok_s": 1 / decode_s["moerun"],
+        "peer_decode_tok_s": 1 / decode_s["transformers"],
+        "decode_vs_peer": decode_s["transformers"] / decode_s["moerun"],
+        "generate_tok_s": 16 / generate_s["moerun"],
+        "peer_generate_tok_s": 16 / generate_s["transformers"],
+        "generate_vs_peer": generate_s["transformers"] / generate_s["moerun"],
+        "decode_bytes_per_step": bytes_per_step,
+        "decode_bytes_per_s": bytes_per_step / decode_s["moerun"],
+        "decode_roofline_fraction": bytes_per_step / decode_s["moerun"] / copy,
+        "peer_max_rel_diff": diff.item(),
+        "same_greedy_last_token": bool(ours_logits[0, -1].argmax() == peer_logits_out[0, -1].argmax()),
+    }
+
+
+def format_model_table(r: dict) -> str:
+    gb = 1e9
+    return "\n".join(
+        [
+            f"moerun bench --model  {r['model']}  dtype={r['dtype']}  device={r['device']}  "
+            f"backend={r['backend']}  threads={r['threads']}",
+            f"  copy bandwidth (read+write)   {r['copy_bytes_per_s'] / gb:8.1f} GB/s",
+            f"  prefill T={r['prompt_tokens']:<5}  moerun {r['prefill_tok_s']:8.1f} tok/s   "
+            f"transformers {r['peer_prefill_tok_s']:8.1f} tok/s   ({r['prefill_vs_peer']:.2f}x)",
+            f"  decode        moerun {r['decode_tok_s']:8.1f} tok/s   "
+            f"transformers {r['peer_decode_tok_s']:8.1f} tok/s   ({r['decode_vs_peer']:.2f}x)",
+            f"  generate 32+16  moerun {r['generate_tok_s']:8.1f} tok/s   "
+            f"transformers {r['peer_generate_tok_s']:8.1f} tok/s   ({r['generate_vs_peer']:.2f}x)",
+            f"  decode reads {r['decode_bytes_per_step'] / 2**20:.0f} MiB per token: "
+            f"{r['decode_bytes_per_s'] / gb:.1f} GB/s "
+            f"({100 * r['decode_roofline_fraction']:.0f}% of copy bandwidth)",
+            f"  max |moerun - transformers| / max |transformers| logits {r['peer_max_rel_diff']:.1e}; "
+            f"same next token: {r['same_greedy_last_token']}",
+        ]
+    )

@@ -1,0 +1,119 @@
+"""`moerun inspect`: what a checkpoint holds, read from its header and config without loading a
+weight: architecture, layers, experts, top-k, the format of each kind of tensor, bytes per expert
+and the memory a run needs."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from moerun.decoder.config import ModelConfig
+from moerun.loader import GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
+from moerun.quant.formats import FLOAT_DTYPES
+
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
+# HF (experts.*), GGUF merged (ffn_*_exps) and GGUF's old per-expert layout (ffn_gate.E.weight)
+_EXPERT_TENSOR = re.compile(r"experts|_exps|ffn_(gate|up|down)\.\d+\.")
+_DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()} | {torch.uint8: "u8"}
+
+
+def _tensor_table(path: Path) -> tuple[str, ModelConfig, list[tuple[str, str, tuple[int, ...], int]]]:
+    """(file kind, config, [(name, format, shape, bytes)])."""
+    if path.is_file() and path.suffix == ".gguf":
+        from moerun.checkpoint.gguf import gguf_model_config
+
+        gguf = GGUFFile(path)
+        rows = []
+        for name in gguf.tensor_names():
+            info = gguf.info(name)
+            rows.append((name, info.type_name.lower(), info.shape, info.nbytes or 0))
+        return "gguf", gguf_model_config(gguf), rows
+    from moerun.checkpoint.load import hf_model_config
+
+    config = hf_model_config(path if path.is_dir() else path.parent)
+    checkpoint = SafetensorsCheckpoint(path)
+    rows = []
+    for name in checkpoint.names():
+        dtype, shape = checkpoint.dtype(name), checkpoint.shape(name)
+        fmt = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+        if name.endswith(("_blocks", "_scales")):
+            fmt = "mxfp4 (gpt-oss)"
+        rows.append((name, fmt, shape, math.prod(shape) * dtype.itemsize))
+    return "safetensors", config, rows
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """A JSON-ready summary of the checkpoint at `path`."""
+    root = resolve_checkpoint(path)
+    kind, config, rows = _tensor_table(root)
+    groups: dict[str, Counter] = defaultdict(Counter)
+    group_bytes: Counter = Counter()
+    for name, fmt, _, nbytes in rows:
+        pattern = _NUMBER.sub("*", name)
+        groups[pattern][fmt] += 1
+        group_bytes[pattern] += nbytes
+    expert_bytes = sum(nbytes for name, _, _, nbytes in rows if _EXPERT_TENSOR.search(name))
+    total = sum(nbytes for *_, nbytes in rows)
+    moe_layers = sum(config.moe_layers)
+    experts = moe_layers * config.moe.num_experts
+    attn = config.attention
+    kv_bytes_per_token = 2 * config.num_layers * attn.kv_heads * attn.head_dim * 2  # bf16 keys + values
+    return {
+        "path": str(root),
+        "file_format": kind,
+        "architecture": config.model_type,
+        "layers": config.num_layers,
+        "moe_layers": moe_layers,
+        "hidden": config.hidden,
+        "vocab": config.vocab_size,
+        "context": config.max_positions,
+        "attention": f"{attn.heads} heads, {attn.kv_heads} kv heads, head_dim {attn.head_dim}",
+        "experts_per_layer": config.moe.num_experts,
+        "top_k": config.moe.top_k,
+        "expert_intermediate": config.moe.intermediate,
+        "tensors": {p: dict(formats) for p, formats in sorted(groups.items())},
+        "tensor_bytes": dict(sorted(group_bytes.items())),
+        "bytes_per_expert": expert_bytes // experts if experts else 0,
+        "expert_bytes": expert_bytes,
+        "other_bytes": total - expert_bytes,
+        "weights_bytes": total,
+        "kv_cache_bytes_per_token_bf16": kv_bytes_per_token,
+        "bytes_read_per_token": total
+        - expert_bytes
+        + (expert_bytes // experts * moe_layers * config.moe.top_k)
+        if experts
+        else total,
+    }
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_description(d: dict) -> str:
+    lines = [
+        f"{d['path']} ({d['file_format']})",
+        f"architecture  {d['architecture']}: {d['layers']} layers ({d['moe_layers']} MoE), "
+        f"hidden {d['hidden']}, vocab {d['vocab']}, context {d['context']}",
+        f"attention     {d['attention']}",
+        f"experts       {d['experts_per_layer']} per MoE layer, top-{d['top_k']}, "
+        f"intermediate {d['expert_intermediate']}, {_size(d['bytes_per_expert'])} per expert",
+        f"memory        weights {_size(d['weights_bytes'])} (experts {_size(d['expert_bytes'])}, "
+        f"rest {_size(d['other_bytes'])}); KV cache {_size(d['kv_cache_bytes_per_token_bf16'] * 1024)} "
+        f"per 1024 tokens (bf16); weights read per decoded token {_size(d['bytes_read_per_token'])}",
+        "tensors:",
+    ]
+    width = max(len(p) for p in d["tensors"]) if d["tensors"] else 0
+    for pattern, formats in d["tensors"].items():
+        kinds = ", ".join(f"{fmt} x{n}" for fmt, n in formats.items())
+        lines.append(f"  {pattern:<{width}}  {kinds:<24} {_size(d['tensor_bytes'][pattern])}")
+    return "\n".join(lines)

@@ -1,0 +1,456 @@
+"""GGUF files -> (ModelConfig, canonical tensors), for the GGUF archs of moerun's families (each family
+file names its arch in `GGUF_ARCH`).
+
+The metadata becomes a Hugging Face-style config dict that the family's own `model_config` reads, so
+both formats share one mapping. Where GGUF metadata is silent, this module does what llama.cpp does
+for the arch (src/models/<arch>.cpp and the hparams loaders in ggml-org/llama.cpp), so one file means
+one model in both: whether top-k weights are renormalised (the `true`/`false` argument of
+build_moe_ffn), GPT-OSS's clamped SwiGLU (alpha 1.702, limit 7.0, build_moe_ffn's SWIGLU_OAI_MOE),
+its sliding-window layers (every other one from layer 0: set_swa_pattern(2)), and no sliding window
+for the other archs. One deliberate difference: llama.cpp rounds YaRN's correction range to whole
+dims (ggml_rope_yarn_corr_dims), but GPT-OSS was trained without that rounding (`truncate: false` in
+its config, as in OpenAI's reference code, vLLM and SGLang), so for gpt-oss the range is not rounded.
+
+Tensors: convert_hf_to_gguf.py permutes the q and k rows of `llama` models for ggml's interleaved
+RoPE (LlamaModel.permute); moerun rotates halves as transformers does, so they are permuted back
+(whole rows, so quantised bytes too). Gate and up experts are stored apart and fused here, gate rows
+then up rows, or interleaved row by row for GPT-OSS; with `assemble=False` (expert streaming) the
+expert ones are described instead (`ExpertPieces` over views of the file, read by the expert store).
+Names that fit nothing are passed on as they are, so the model's check reports them as unexpected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import torch
+
+from moerun.decoder.config import ModelConfig
+from moerun.decoder.model import check_model_tensors
+from moerun.families import FAMILIES, family
+from moerun.loader import CheckpointError, GGUFFile
+from moerun.moe.layer import StateDictError
+from moerun.offload.pieces import ExpertPieces, Piece, stand_ins
+from moerun.quant.dequant import dequantize
+from moerun.quant.formats import QTensor
+
+Tensor = torch.Tensor | QTensor
+
+# llama.cpp's build_moe_ffn(..., norm_w, ...) per arch: whether the k routing weights are renormalised.
+RENORMALIZE_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}  # llama.cpp's SWIGLU_OAI_MOE constants
+GPT_OSS_SWA_PERIOD = 2  # default of `gpt-oss.attention.sliding_window_pattern`
+
+_TOP = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {  # name inside blk.{i} -> canonical name inside layers.{i}
+    "attn_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "mlp_norm.weight",
+    **{
+        f"attn_{g}.{kind}": f"attn.{c}.{kind}"
+        for g, c in zip(("q", "k", "v", "output"), "qkvo", strict=True)
+        for kind in ("weight", "bias")
+    },
+    "attn_q_norm.weight": "attn.q_norm.weight",
+    "attn_k_norm.weight": "attn.k_norm.weight",
+    "attn_sinks.weight": "attn.sinks",
+    "ffn_gate_inp.weight": "moe.router.weight",
+    "ffn_gate_inp.bias": "moe.router.bias",
+    "ffn_gate_up_exps.weight": "moe.experts.gate_up",
+    "ffn_gate_up_exps.bias": "moe.experts.gate_up_bias",
+    "ffn_down_exps.weight": "moe.experts.down",
+    "ffn_down_exps.bias": "moe.experts.down_bias",
+    "ffn_down_shexp.weight": "moe.shared.down",
+    "ffn_gate_inp_shexp.weight": "moe.shared.gate",
+    "ffn_down.weight": "mlp.down",
+}
+# gpt-oss names the MLP's pre-norm post_attention_norm (its ATTN_POST_NORM), and has no ffn_norm
+_GPT_OSS_LAYER = {
+    **{k: v for k, v in _LAYER.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "mlp_norm.weight",
+}
+_GATE_UP = {  # canonical name -> (gate part, up part), stored apart in GGUF
+    "moe.experts.gate_up": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+    "moe.experts.gate_up_bias": ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
+    "moe.shared.gate_up": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
+    "mlp.gate_up": ("ffn_gate.weight", "ffn_up.weight"),
+}
+_REQUIRED = object()
+_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+_ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+_PER_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # llama.cpp's layout before merged experts
+
+
+def gguf_archs() -> dict[str, str]:
+    """GGUF `general.architecture` -> moerun family (model_type)."""
+    return {arch: name for name in FAMILIES if (arch := getattr(family(name), "GGUF_ARCH", None))}
+
+
+def gguf_name_tables(arch: str) -> tuple[dict[str, str], dict[str, str], dict[str, tuple[str, str]]]:
+    """The name tables this reader maps by, for writers (moerun.export): GGUF top-level name ->
+    canonical name, name inside blk.{i} -> canonical name inside layers.{i} (for `arch`), and canonical
+    gate/up name -> its (gate, up) GGUF parts. Copies; the reader's own stay as they are."""
+    return dict(_TOP), dict(_GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER), dict(_GATE_UP)
+
+
+def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
+    """The model a GGUF file describes, from its metadata and tensor names (no weight is read)."""
+    arch = gguf.metadata.get("general.architecture")
+    archs = gguf_archs()
+    if arch not in archs:
+        raise CheckpointError(
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported; moerun reads {sorted(archs)}."
+        )
+    config = _hf_config(gguf, arch, archs[arch])
+    model_config = family(archs[arch]).model_config(config)
+    return dataclasses.replace(
+        model_config, moe_layers=tuple(config["moe_layers"]), dense_intermediate=config["dense_intermediate"]
+    )
+
+
+def gguf_model(gguf: GGUFFile, assemble: bool = True) -> tuple[ModelConfig, dict[str, Tensor | ExpertPieces]]:
+    """The file's model config and canonical tensors; `assemble=False` leaves the routed gate/up
+    experts described (`ExpertPieces`) instead of fused in RAM."""
+    model_config = gguf_model_config(gguf)
+    arch = gguf.metadata["general.architecture"]
+    tensors = _canonical_tensors(gguf, arch, model_config, assemble)
+    try:
+        check_model_tensors(model_config, stand_ins(tensors))
+    except StateDictError as err:
+        missing = [_gguf_names(k, arch) for k in model_config.tensor_shapes() if k not in tensors]
+        where = f" In the GGUF file the missing tensors are {', '.join(missing[:40])}." if missing else ""
+        raise StateDictError(f"{gguf.path}: {err}{where}") from None
+    return model_config, tensors
+
+
+def _hf_config(gguf: GGUFFile, arch: str, model_type: str) -> dict:
+    """The GGUF metadata as the config.json keys the family's `model_config` reads."""
+    md, names = gguf.metadata, set(gguf.tensor_names())
+
+    def get(key: str, default=_REQUIRED):
+        value = md.get(f"{arch}.{key}", default)
+        if value is _REQUIRED:
+            raise CheckpointError(f"{gguf.path}: metadata key {arch}.{key} is missing.")
+        return _single(value, f"{arch}.{key}", gguf)
+
+    n, hidden, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
+    experts = get("expert_count", 0)
+    if not experts:
+        raise CheckpointError(f"{gguf.path}: a {arch} model without experts; moerun runs MoE models only.")
+    head_dim = get("attention.key_length", hidden // heads)
+    if get("rope.dimension_count", head_dim) != head_dim:
+        raise CheckpointError(f"{gguf.path}: RoPE over part of each head is not supported.")
+    if "token_embd.weight" not in names:
+        raise CheckpointError(f"{gguf.path}: has no token_embd.weight tensor.")
+    if get("expert_weights_scale", 0.0) not in (0.0, 1.0):
+        raise CheckpointError(f"{gguf.path}: {arch}.expert_weights_scale is not supported for {arch}.")
+    ff = get("feed_forward_length", 0)
+    dense = [
+        i
+        for i in range(n)
+        if f"blk.{i}.ffn_gate_inp.weight" not in names and f"blk.{i}.ffn_up.weight" in names
+    ]
+    expert_ff = ff if arch in ("llama", "olmoe") else get("expert_feed_forward_length", ff)  # as llama.cpp
+    bias = "blk.0.attn_q.bias" in names  # llama.cpp loads attention biases when the file has them
+    eos = [md[k] for k in _EOS_KEYS if k in md]
+    config = {
+        "model_type": model_type,
+        "vocab_size": gguf.info("token_embd.weight").shape[0],
+        "hidden_size": hidden,
+        "num_hidden_layers": n,
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        # mixtral, olmoe and gpt_oss read their experts' size from intermediate_size
+        "intermediate_size": expert_ff if arch in ("llama", "olmoe", "gpt-oss") else ff,
+        "moe_intermediate_size": expert_ff,
+        "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", ff),
+        "num_experts": experts,
+        "num_local_experts": experts,
+        "num_experts_per_tok": get("expert_used_count"),
+        "norm_topk_prob": RENORMALIZE_TOP_K.get(arch, False),
+        "rope_parameters": _rope(gguf, arch, get),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": sorted(set(eos), key=eos.index),
+        "qkv_bias": bias,
+        "attention_bias": bias,
+        "clip_qkv": (get("attention.clamp_kqv", 0.0) or None) if arch == "olmoe" else None,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "mlp_only_layers": dense,
+        "moe_layers": [i not in dense for i in range(n)],
+        "dense_intermediate": ff,
+    }
+    if arch == "gpt-oss":
+        pattern = md.get(f"{arch}.attention.sliding_window_pattern", GPT_OSS_SWA_PERIOD)
+        if isinstance(pattern, int):  # llama.cpp's set_swa_pattern(period)
+            sliding = [i % pattern < pattern - 1 for i in range(n)]
+        else:  # one flag per layer
+            sliding = [bool(s) for s in pattern]
+        config["sliding_window"] = get("attention.sliding_window")
+        config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+        config.update(GPT_OSS_SWIGLU)
+    return config
+
+
+def _rope(gguf: GGUFFile, arch: str, get) -> dict:
+    kind = get("rope.scaling.type", "none")
+    if kind not in _ROPE_TYPES:
+        raise CheckpointError(
+            f"{gguf.path}: {arch}.rope.scaling.type {kind!r} is not supported; "
+            f"moerun knows {list(_ROPE_TYPES)}."
+        )
+    rope = {"rope_type": _ROPE_TYPES[kind], "rope_theta": float(get("rope.freq_base", 10000.0))}
+    if kind != "none":
+        rope["factor"] = float(get("rope.scaling.factor", 0.0) or get("rope.scale_linear", 0.0) or 1.0)
+    if kind == "yarn":
+        rope["original_max_position_embeddings"] = get(
+            "rope.scaling.original_context_length", get("context_length")
+        )
+        rope["beta_fast"] = float(get("rope.scaling.yarn_beta_fast", 32.0))
+        rope["beta_slow"] = float(get("rope.scaling.yarn_beta_slow", 1.0))
+        rope["truncate"] = arch != "gpt-oss"  # see the module docstring
+    return rope
+
+
+def _single(value, key: str, gguf: GGUFFile):
+    """A per-layer array whose entries all agree -> that value; moerun has no per-layer head counts."""
+    if isinstance(value, np.ndarray | list):
+        if len(set(np.asarray(value).tolist())) != 1:
+            raise CheckpointError(
+                f"{gguf.path}: {key} differs between layers, which moerun does not support."
+            )
+        return np.asarray(value).tolist()[0]
+    return value
+
+
+def _canonical_tensors(
+    gguf: GGUFFile, arch: str, config: ModelConfig, assemble: bool = True
+) -> dict[str, Tensor | ExpertPieces]:
+    layer_names = _GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER
+    tensors: dict[str, Tensor | ExpertPieces] = {}
+    blocks: dict[int, dict[str, str]] = {}  # layer -> name inside the block -> file name
+    per_expert: dict[int, dict[str, dict[int, str]]] = {}  # old layout: layer -> proj -> expert -> name
+    for name in gguf.tensor_names():
+        if m := _BLOCK.fullmatch(name):
+            if old := _PER_EXPERT.fullmatch(m.group(2)):
+                per_expert.setdefault(int(m.group(1)), {}).setdefault(old[1], {})[int(old[2])] = name
+            else:
+                blocks.setdefault(int(m.group(1)), {})[m.group(2)] = name
+        else:
+            tensors[_TOP.get(name, name)] = gguf.tensor(name)
+    for layer, by_projection in per_expert.items():
+        tensors.update(_per_expert_tensors(gguf, f"layers.{layer}.", by_projection, assemble))
+    for layer, block in sorted(blocks.items()):
+        prefix = f"layers.{layer}."
+        for canonical, (gate, up) in _GATE_UP.items():
+            if gate in block and up in block:
+                interleave = arch == "gpt-oss" and canonical.startswith("moe.experts")
+                parts = [block.pop(gate), block.pop(up)]
+                describe = not assemble and canonical == "moe.experts.gate_up"
+                fuse = _described if describe else _fuse
+                tensors[prefix + canonical] = fuse(gguf, parts, expert="exps" in gate, interleave=interleave)
+        for dim, rel in ((-2, "ffn_gate_up_exps.weight"), (-1, "ffn_gate_up_exps.bias")):
+            if arch == "gpt-oss" and rel in block:  # stored fused as gate rows then up rows
+                t = gguf.tensor(block.pop(rel))
+                if assemble or dim == -1:
+                    tensors[prefix + layer_names[rel]] = _interleave_halves(t, dim)
+                else:  # the halves described as gate and up experts
+                    half = t.shape[-2] // 2
+                    gate, up = _rows(t, 0, half), _rows(t, half, 2 * half)
+                    tensors[prefix + layer_names[rel]] = _gate_up_pieces(gate, up, interleave=True)
+        for rel, name in block.items():
+            canonical = layer_names.get(rel)
+            tensors[prefix + canonical if canonical else name] = gguf.tensor(name)
+        shared_gate = tensors.get(prefix + "moe.shared.gate")
+        if isinstance(shared_gate, torch.Tensor) and shared_gate.dim() == 1:
+            tensors[prefix + "moe.shared.gate"] = shared_gate[None]  # llama.cpp stores it [H]
+        if arch == "llama":
+            attention = config.attention
+            for proj, heads in (("q", attention.heads), ("k", attention.kv_heads)):
+                for kind in ("weight", "bias"):
+                    t = tensors.get(f"{prefix}attn.{proj}.{kind}")
+                    if t is not None and t.shape[0] == heads * attention.head_dim:  # else: reported
+                        tensors[f"{prefix}attn.{proj}.{kind}"] = _unpermute(t, heads)
+    return tensors
+
+
+def _per_expert_tensors(
+    gguf: GGUFFile, prefix: str, by_projection: dict[str, dict[int, str]], assemble: bool
+) -> dict[str, Tensor | ExpertPieces]:
+    """The old layout (blk.N.ffn_{gate,up,down}.E.weight, one tensor per expert, as llama.cpp wrote
+    Mixtral before merged expert tensors) -> experts.gate_up [E, 2I, H] and experts.down [E, H, I]:
+    stacked in RAM, or (not `assemble`) described over the per-expert views for streaming."""
+    block = prefix.replace("layers.", "blk.")
+    count = max(len(names) for names in by_projection.values())
+    parts: dict[str, list[Tensor]] = {}
+    for proj in ("gate", "up", "down"):
+        names = by_projection.get(proj, {})
+        if sorted(names) != list(range(count)):
+            missing = sorted(set(range(count)) - set(names))
+            raise CheckpointError(
+                f"{gguf.path}: the per-expert tensors {block}ffn_{proj}.E.weight are incomplete: "
+                f"experts {missing} are missing."
+            )
+        parts[proj] = [gguf.tensor(names[e]) for e in range(count)]
+        if len(_kinds(parts[proj])) > 1 or (proj == "up" and _kinds(parts["up"]) != _kinds(parts["gate"])):
+            raise CheckpointError(
+                f"{gguf.path}: the per-expert tensors {block}ffn_{proj}.E.weight differ in shape or type "
+                "between experts (or from ffn_gate's); moerun stacks them into one tensor."
+            )
+    gate, up, down = parts["gate"], parts["up"], parts["down"]
+    rows = gate[0].shape[0]
+    if not assemble:
+        return {
+            prefix + "moe.experts.gate_up": _pieces_of(
+                gate, (Piece([_data(t) for t in gate]), Piece([_data(t) for t in up], row=rows)), 2 * rows
+            ),
+            prefix + "moe.experts.down": _pieces_of(
+                down, (Piece([_data(t) for t in down]),), down[0].shape[0]
+            ),
+        }
+    out = {
+        prefix + "moe.experts.gate_up": _stack(gate + up, len(gate)),
+        prefix + "moe.experts.down": _stack(down, len(down)),
+    }
+    for names in by_projection.values():  # copied out: give back the mapped pages
+        for name in names.values():
+            gguf.release(name)
+    return out
+
+
+def _kinds(tensors: list[Tensor]) -> set:
+    return {(tuple(t.shape), getattr(t, "format", None) or t.dtype) for t in tensors}
+
+
+def _pieces_of(experts: list[Tensor], pieces: tuple[Piece, ...], rows: int) -> ExpertPieces:
+    first = experts[0]
+    shape = (len(experts), rows, first.shape[-1])
+    if isinstance(first, QTensor):
+        return ExpertPieces(shape, torch.uint8, first.format, pieces)
+    return ExpertPieces(shape, first.dtype, None, pieces)
+
+
+def _stack(parts: list[Tensor], num_experts: int) -> Tensor:
+    """parts = gate of experts 0..E-1 then up of 0..E-1 (or just one projection's) -> [E, rows, in]."""
+    halves = [parts[i : i + num_experts] for i in range(0, len(parts), num_experts)]
+    if isinstance(parts[0], QTensor):
+        data = torch.cat([torch.stack([t.data for t in half]) for half in halves], dim=1)
+        return QTensor(parts[0].format, (num_experts, data.shape[1], parts[0].shape[-1]), data)
+    return torch.cat([torch.stack(half) for half in halves], dim=1)
+
+
+def _described(gguf: GGUFFile, names: list[str], expert: bool, interleave: bool) -> ExpertPieces:
+    """What `_fuse` would build for gate and up experts, described over views of the file."""
+    gate, up = _gate_and_up(gguf, names, expert)
+    return _gate_up_pieces(gate, up, interleave)
+
+
+def _gate_up_pieces(gate: Tensor, up: Tensor, interleave: bool) -> ExpertPieces:
+    """gate and up experts [E, I, in] as the pieces of gate_up [E, 2I, in]: gate rows then up rows, or
+    (interleave) gate row j at 2j and up row j at 2j + 1."""
+    rows = gate.shape[-2]
+    pieces = (
+        (Piece(_data(gate), row=0, step=2), Piece(_data(up), row=1, step=2))
+        if interleave
+        else (Piece(_data(gate)), Piece(_data(up), row=rows))
+    )
+    shape = (*gate.shape[:-2], 2 * rows, gate.shape[-1])
+    if isinstance(gate, QTensor):
+        return ExpertPieces(shape, torch.uint8, gate.format, pieces)
+    dtype = gate.dtype if gate.dtype == up.dtype else torch.float32  # as `_fuse` joins them
+    return ExpertPieces(shape, dtype, None, pieces)
+
+
+def _data(t: Tensor) -> torch.Tensor:
+    return t.data if isinstance(t, QTensor) else t
+
+
+def _rows(t: Tensor, begin: int, end: int) -> Tensor:
+    """Rows [begin, end) of every expert of [E, rows, in]."""
+    if isinstance(t, QTensor):
+        return QTensor(t.format, (*t.shape[:-2], end - begin, t.shape[-1]), t.data[..., begin:end, :])
+    return t[..., begin:end, :]
+
+
+def _gate_and_up(gguf: GGUFFile, names: list[str], expert: bool) -> tuple[Tensor, Tensor]:
+    """The gate and up tensors, checked to have the same shape and, for experts, the same format."""
+    gate, up = (gguf.tensor(n) for n in names)
+    if tuple(gate.shape) != tuple(up.shape):
+        raise CheckpointError(
+            f"{gguf.path}: {names[0]} is {tuple(gate.shape)} but {names[1]} is {tuple(up.shape)}; "
+            "gate and up must have the same shape."
+        )
+    quantised = isinstance(gate, QTensor) or isinstance(up, QTensor)
+    if quantised and not (isinstance(gate, QTensor) and isinstance(up, QTensor) and gate.format == up.format):
+        if expert:
+            kinds = [gguf.info(n).type_name for n in names]
+            raise CheckpointError(
+                f"{gguf.path}: {names[0]} is {kinds[0]} but {names[1]} is {kinds[1]}; moerun fuses gate and "
+                "up experts into one tensor, so both must have the same type (requantise one of them)."
+            )
+        gate, up = dequantize(gate), dequantize(up)
+    return gate, up
+
+
+def _fuse(gguf: GGUFFile, names: list[str], expert: bool, interleave: bool) -> Tensor:
+    """gate [.., I, in] and up [.., I, in] (or biases [.., I]) -> [.., 2I, in]: gate rows then up rows,
+    or (interleave) gate row j at 2j and up row j at 2j + 1. Quantised parts stay quantised when they
+    share a format; expert parts must, the small dense MLPs are dequantised."""
+    gate, up = _gate_and_up(gguf, names, expert)
+    if isinstance(gate, QTensor):
+        data = _join(gate.data, up.data, dim=-2, interleave=interleave)
+        fused = QTensor(gate.format, (*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1]), data)
+    else:
+        if gate.dtype != up.dtype:
+            gate, up = gate.float(), up.float()
+        fused = _join(gate, up, dim=-1 if names[0].endswith(".bias") else -2, interleave=interleave)
+    for name in names:  # copied out: give back the mapped pages, so the file is not held twice
+        gguf.release(name)
+    return fused
+
+
+def _join(gate: torch.Tensor, up: torch.Tensor, dim: int, interleave: bool) -> torch.Tensor:
+    """Join along the row dim (-2 for weights, -1 for biases)."""
+    if not interleave:
+        return torch.cat([gate, up], dim=dim)
+    pairs = torch.stack([gate, up], dim=dim)  # [.., I, 2, in] or [.., I, 2]
+    return pairs.flatten(dim - 1, dim)
+
+
+def _interleave_halves(t: Tensor, dim: int) -> Tensor:
+    """[.., 2I, in] gate rows then up rows (or biases [.., 2I]) -> gate row j at 2j, up row j at 2j + 1."""
+    if isinstance(t, QTensor):
+        return QTensor(t.format, t.shape, _interleave_halves(t.data, -2))
+    return t.unflatten(dim, (2, -1)).transpose(dim - 1, dim).flatten(dim - 1, dim)
+
+
+def _unpermute(t: Tensor, heads: int) -> Tensor:
+    """Undo LlamaModel.permute: w.reshape(heads, 2, rows / heads / 2, ...).swapaxes(1, 2)."""
+    if isinstance(t, QTensor):
+        return QTensor(t.format, t.shape, _unpermute(t.data, heads))
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def _gguf_names(canonical: str, arch: str) -> str:
+    """The GGUF name(s) a canonical tensor comes from, for error messages."""
+    if canonical in _TOP.values():
+        return next(g for g, c in _TOP.items() if c == canonical)
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", canonical)
+    if not m:
+        return canonical
+    layer, rel = m.groups()
+    if rel in _GATE_UP:
+        return " + ".join(f"blk.{layer}.{part}" for part in _GATE_UP[rel])
+    table = _GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER
+    return next((f"blk.{layer}.{g}" for g, c in table.items() if c == rel), canonical)

@@ -1,0 +1,248 @@
+"""`moerun.load`: a checkpoint directory, file or locally cached hub id -> a runnable `MoEModel`.
+
+Files are opened only through `moerun.loader`; family files map configs and names.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moerun.checkpoint.hf import canonical_tensors
+from moerun.decoder.config import ModelConfig
+from moerun.decoder.model import MoEModel, check_model_tensors
+from moerun.families import family
+from moerun.loader import CheckpointError, GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
+from moerun.loader.hf_config import read_hf_config
+from moerun.moe.backends import resolve_backend
+from moerun.moe.layer import FP32_TENSORS
+from moerun.offload import CacheBudgetError, ExpertCache, ExpertStore, MappedFile
+from moerun.offload.budget import KV_RESERVE_TOKENS, auto_budget, free_device_memory
+from moerun.offload.pieces import stand_ins
+from moerun.quant.cache import DequantCache
+from moerun.quant.formats import QTensor
+from moerun.text.tokenizer import Tokenizer
+
+# streamed expert projections: left as the file has them (the expert store converts on read)
+_STREAMED = re.compile(r"\.moe\.experts\.(gate_up|down)$")
+
+
+def hf_model_config(directory: Path) -> ModelConfig:
+    config = read_hf_config(directory)
+    model_type = config["model_type"]
+    try:
+        fam = family(model_type)
+    except ValueError as err:
+        raise CheckpointError(f"{directory / 'config.json'}: {err}") from None
+    if not hasattr(fam, "model_config"):
+        raise CheckpointError(f"{directory}: loading whole {model_type} models is not supported yet.")
+    return fam.model_config(config)
+
+
+def _hf_model(
+    root: Path,
+    checkpoint: SafetensorsCheckpoint,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    streamed: bool,
+) -> tuple[dict, list[MappedFile]]:
+    def release(name: str) -> None:
+        if name in checkpoint:
+            checkpoint.release(name)
+
+    tensors, sources = canonical_tensors(
+        model_config.model_type,
+        model_config,
+        checkpoint.names(),
+        checkpoint.tensor,
+        release,
+        assemble=not streamed,
+    )
+    check_model_tensors(model_config, stand_ins(tensors), sources, where=str(root))
+    files = [MappedFile(f.path, f.mapped) for f in checkpoint.shards]
+    return converted(tensors, sources, dtype, release, streamed), files
+
+
+def converted(
+    tensors: dict,
+    sources: dict[str, str],
+    dtype: torch.dtype,
+    release: Callable[[str], None],
+    streamed: bool = False,
+) -> dict:
+    """Dense floating tensors in their compute dtype (router tensors in fp32), converted one at a
+    time and each source's mapped pages released after, so a file in another dtype is never held
+    in memory next to the whole converted model. Same-dtype tensors stay views of the file; so do
+    the expert projections when `streamed`."""
+    out = {}
+    for name, tensor in tensors.items():
+        _, moe, within = name.partition(".moe.")
+        target = torch.float32 if moe and within in FP32_TENSORS else dtype
+        if streamed and _STREAMED.search(name):
+            out[name] = tensor
+            continue
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != target:
+            tensor = tensor.to(target)
+            for source in sources.get(name, "").split(" + "):
+                release(source)
+        out[name] = tensor
+    return out
+
+
+def load(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    backend: str = "auto",
+    expert_cache_gb: float | None = None,
+    prefetch_k: int | None = None,
+    host_cache_gb: float = 0.0,
+    dequant_cache_gb: float = 0.0,
+    progress: Callable[[int, int], None] | None = None,
+) -> MoEModel:
+    """Open a checkpoint: a Hugging Face safetensors directory (or a hub id found in the local
+    cache) or a GGUF file.
+
+    `expert_cache_gb`: keep the dense part and this many GB of expert slots on the device and stream
+    the other experts from the checkpoint (moerun.offload); too small a budget for one token's
+    experts is refused with the minimum. `prefetch_k`: with streaming, load that many of the next
+    MoE layer's predicted experts while a layer computes. `host_cache_gb`: with streaming, keep up to
+    this many GB of recently read experts in host RAM (pinned on CUDA), so a re-fetched expert is a
+    memory copy, not a file read. `progress(done, total)` is told as layers are placed."""
+    if prefetch_k and expert_cache_gb is None:
+        raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
+    if host_cache_gb and expert_cache_gb is None:
+        raise ValueError("host_cache_gb needs expert_cache_gb: the host tier serves the streamed experts.")
+    root = resolve_checkpoint(path)
+    backend = resolve_backend(backend, torch.device(device))
+    gguf = checkpoint = None
+    if root.is_file() and root.suffix == ".gguf":
+        from moerun.checkpoint.gguf import gguf_model, gguf_model_config
+
+        gguf = GGUFFile(root)
+        model_config = gguf_model_config(gguf)
+    else:
+        directory = root if root.is_dir() else root.parent
+        model_config = hf_model_config(directory)
+        checkpoint = SafetensorsCheckpoint(root)
+    fit = None
+    if expert_cache_gb is None and (free := free_device_memory(torch.device(device))) is not None:
+        dense, experts = _gguf_bytes(gguf, dtype) if gguf is not None else _hf_bytes(checkpoint, dtype)
+        fit = auto_budget(free, dense, experts, _kv_reserve_bytes(model_config, dtype))
+        if fit.budget_bytes is not None:
+            expert_cache_gb = fit.budget_bytes / 2**30
+            print(f"moerun: {root}: {fit.describe()}", file=sys.stderr, flush=True)
+    streamed = expert_cache_gb is not None
+    if gguf is not None:
+        model_config, tensors = gguf_model(gguf, assemble=not streamed)
+        files = [MappedFile(gguf.path, gguf.mapped)]
+        has_tokenizer = "tokenizer.ggml.model" in gguf.metadata
+        read = lambda: Tokenizer.from_gguf_metadata(gguf.metadata, source=str(root))  # noqa: E731
+        tokenizer = _tokenizer(read) if has_tokenizer else None
+    else:
+        tensors, files = _hf_model(root, checkpoint, model_config, dtype, streamed)
+        has_tokenizer = (directory / "tokenizer.json").is_file()
+        tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory)) if has_tokenizer else None
+    cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None
+    expert_cache = None
+    if streamed:
+        try:
+            expert_cache = _expert_cache(
+                model_config, tensors, files, dtype, device, expert_cache_gb, host_cache_gb
+            )
+        except CacheBudgetError as err:
+            if fit is None:
+                raise
+            raise CacheBudgetError(
+                f"{root}: the model does not fit the device: {fit.describe()} {err}"
+            ) from None
+    model = MoEModel(
+        model_config,
+        stand_ins(tensors),  # streamed experts: storage-free stand-ins; the expert store has the bytes
+        dtype=dtype,
+        device=device,
+        backend=backend,
+        dequant_cache=cache,
+        progress=progress,
+        expert_cache=expert_cache,
+        prefetch_k=prefetch_k,
+    )
+    model.tokenizer = tokenizer
+    return model
+
+
+def _expert_cache(
+    config: ModelConfig,
+    tensors: dict,
+    files: list[MappedFile],
+    dtype,
+    device,
+    budget_gb: float,
+    host_gb: float = 0.0,
+) -> ExpertCache:
+    """The expert store over every MoE layer's projections and a cache of `budget_gb` on `device`."""
+    layers = {
+        f"layers.{i}.moe": {p: tensors[f"layers.{i}.moe.experts.{p}"] for p in ("gate_up", "down")}
+        for i, moe in enumerate(config.moe_layers)
+        if moe
+    }
+    device = torch.device(device)
+    store = ExpertStore(
+        layers, dtype, files, host_budget_bytes=int(host_gb * 2**30), pin=device.type == "cuda"
+    )
+    try:
+        return ExpertCache(store, int(budget_gb * 2**30), config.moe.top_k, device)
+    except BaseException:
+        store.close()
+        raise
+
+
+def _hf_bytes(checkpoint: SafetensorsCheckpoint, dtype: torch.dtype) -> tuple[int, int]:
+    """(dense, expert) bytes the model holds on its device, from the file's header: floating tensors
+    in `dtype`, the others (MXFP4 blocks) as stored."""
+    sizes = [0, 0]
+    for name in checkpoint.names():
+        stored = checkpoint.dtype(name)
+        size = dtype.itemsize if stored.is_floating_point else stored.itemsize
+        sizes[".experts." in name] += math.prod(checkpoint.shape(name)) * size
+    return sizes[0], sizes[1]
+
+
+def _gguf_bytes(gguf: GGUFFile, dtype: torch.dtype) -> tuple[int, int]:
+    """(dense, expert) bytes the model holds on its device: quantised experts as stored, every other
+    tensor dense in `dtype` (views of the file are made; nothing is read)."""
+    sizes = [0, 0]
+    for name in gguf.tensor_names():
+        t, expert = gguf.tensor(name), "_exps." in name
+        quantised = isinstance(t, QTensor) and expert
+        sizes[expert] += t.nbytes if quantised else math.prod(t.shape) * dtype.itemsize
+    return sizes[0], sizes[1]
+
+
+def _kv_reserve_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    tokens = min(KV_RESERVE_TOKENS, config.max_positions)
+    return (
+        2
+        * config.num_layers
+        * config.attention.kv_heads
+        * config.attention.head_dim
+        * tokens
+        * dtype.itemsize
+    )
+
+
+def _tokenizer(read: Callable[[], Tokenizer]) -> Tokenizer | None:
+    """The checkpoint's tokenizer; one it has but moerun cannot read is reported, not fatal: the
+    model still runs on token ids."""
+    try:
+        return read()
+    except (ValueError, OSError) as err:
+        warnings.warn(f"{err} The model loads without a tokenizer (token ids only).", stacklevel=3)
+        return None

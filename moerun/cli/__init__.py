@@ -1,0 +1,1 @@
+"""The `moerun` command line: `main` builds the parser; one module per subcommand."""

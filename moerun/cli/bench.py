@@ -1,0 +1,128 @@
+"""`moerun bench`: one MoE layer with a real model's shapes against transformers' block (the
+default), a whole generated model (--model), or expert streaming (--offload); a table or --json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moerun.moe.backends import BACKENDS
+from moerun.quant.formats import COMPUTE_DTYPES
+
+
+def add_parser(commands) -> None:
+    from moerun.bench.layer import SHAPES
+
+    bench = commands.add_parser("bench", help="benchmark one MoE layer with a real model's shapes")
+    bench.add_argument("--shape", choices=sorted(SHAPES), default="olmoe")
+    bench.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default="bf16")
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    bench.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: triton on CUDA")
+    bench.add_argument("--prefill-tokens", type=int, default=512)
+    bench.add_argument("--decode-steps", type=int, default=32)
+    bench.add_argument(
+        "--peer-impl",
+        choices=["grouped_mm", "eager"],
+        default="grouped_mm",
+        help="transformers' experts implementation to compare with (its default: grouped_mm)",
+    )
+    bench.add_argument("--format", help="quantise every expert projection to FMT (e.g. q4_k, q8_0, mxfp4)")
+    bench.add_argument("--formats", help="per projection, e.g. gate_up=q2_k,down=q3_k")
+    bench.add_argument(
+        "--dequant-cache-gb",
+        type=float,
+        default=0.0,
+        help="with --format: keep up to this many GB of dequantised experts for prefill (default: off)",
+    )
+    bench.add_argument("--no-peer", action="store_true", help="skip transformers' block")
+    bench.add_argument(
+        "--model",
+        action="store_true",
+        help="a whole generated OLMoE-shaped model against transformers' model (needs transformers)",
+    )
+    bench.add_argument(
+        "--offload",
+        action="store_true",
+        help="expert streaming on a generated OLMoE-shaped checkpoint: cache sizes, prefetch, resident",
+    )
+    bench.add_argument(
+        "--layers", type=int, help="with --model: decoder layers (default 4); with --offload: default 2"
+    )
+    bench.add_argument(
+        "--predictable",
+        action="store_true",
+        help="with --offload: routing the next layer's router predicts exactly (prefetch's best case)",
+    )
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moerun.bench.layer import format_table, run_bench
+
+    def log(message: str) -> None:
+        if not args.json:
+            print(f"... {message}", file=sys.stderr, flush=True)
+
+    if args.model and args.offload:
+        raise SystemExit("moerun bench: give --model or --offload, not both.")
+    if args.offload:
+        from moerun.bench.offload import format_offload_table, run_offload_bench
+
+        results = run_offload_bench(
+            layers=args.layers or 2,
+            dtype=args.dtype,
+            decode_steps=args.decode_steps,
+            predictable=args.predictable,
+            log=log,
+        )
+        print(json.dumps(results) if args.json else format_offload_table(results))
+        return 0
+    if args.model:
+        from moerun.bench.model import format_model_table, run_model_bench
+
+        results = run_model_bench(
+            layers=args.layers or 4,
+            dtype=args.dtype,
+            prompt_tokens=args.prefill_tokens,
+            decode_steps=args.decode_steps,
+            device=args.device,
+            backend=args.backend,
+            log=log,
+        )
+        print(json.dumps(results) if args.json else format_model_table(results))
+        return 0
+
+    results = run_bench(
+        shape_name=args.shape,
+        dtype=args.dtype,
+        device=args.device,
+        prefill_tokens=args.prefill_tokens,
+        decode_steps=args.decode_steps,
+        peer=not args.no_peer,
+        formats=_formats(args),
+        dequant_cache_gb=args.dequant_cache_gb,
+        peer_impl=args.peer_impl,
+        backend=args.backend,
+        log=log,
+    )
+    print(json.dumps(results) if args.json else format_table(results))
+    return 0
+
+
+def _formats(args: argparse.Namespace) -> dict[str, str] | None:
+    """--format FMT or --formats gate_up=FMT,down=FMT -> {"gate_up": ..., "down": ...}."""
+    if args.format and args.formats:
+        raise SystemExit("moerun bench: give --format or --formats, not both.")
+    if args.format:
+        return {"gate_up": args.format, "down": args.format}
+    if not args.formats:
+        return None
+    formats = {}
+    for part in args.formats.split(","):
+        projection, _, fmt = part.partition("=")
+        if projection not in ("gate_up", "down") or not fmt:
+            raise SystemExit(f"moerun bench: --formats takes gate_up=FMT,down=FMT, not {part!r}.")
+        formats[projection] = fmt
+    return formats

@@ -1,0 +1,130 @@
+"""Grouped-query attention over a preallocated KV cache, with the variants the MoE families use:
+biases, q/k RMSNorm per head (Qwen3) or over all heads (OLMoE), clipped q/k/v (OLMoE), sliding
+windows and per-head attention sinks (GPT-OSS).
+
+Queries are processed as a chunk of positions [start, start + T) against the keys [0, start + T)
+already in the cache (sliding layers: only the window), so memory is T x cached, never a full
+prompt squared. Attention runs in torch's scaled_dot_product_attention, except with sinks, which
+it cannot express: there scores and softmax run in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moerun.decoder.config import AttentionSpec
+from moerun.decoder.linear import linear
+from moerun.decoder.norm import rms_norm
+from moerun.decoder.rope import Rotary
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer, [B, kv_heads, max_len, head_dim] each, filled up to `length`
+    (positions past it are uninitialised and never read)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def allocate(
+        cls, num_layers: int, batch: int, spec: AttentionSpec, max_len: int, dtype: torch.dtype, device
+    ) -> KVCache:
+        shape = (batch, spec.kv_heads, max_len, spec.head_dim)
+        keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(keys, values)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+
+class Attention:
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        tensors: Mapping[str, torch.Tensor],
+        rotary: Rotary,
+        sliding_window: int | None = None,
+    ):
+        self.spec, self.t, self.rotary, self.window = spec, dict(tensors), rotary, sliding_window
+        self.groups = spec.heads // spec.kv_heads
+
+    def _project(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return linear(x, self.t[f"{name}.weight"], self.t.get(f"{name}.bias"))
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        start: int,
+    ) -> torch.Tensor:
+        """x [B, T, H] at positions [start, start + T); writes k, v there in the cache -> [B, T, H]."""
+        spec, t = self.spec, self.t
+        B, T, _ = x.shape
+        D, nh, nkv = spec.head_dim, spec.heads, spec.kv_heads
+        q, k, v = self._project(x, "q"), self._project(x, "k"), self._project(x, "v")  # [B, T, n*D]
+        if spec.qk_norm == "full":
+            q, k = (
+                rms_norm(q, t["q_norm.weight"], spec.norm_eps),
+                rms_norm(k, t["k_norm.weight"], spec.norm_eps),
+            )
+        if spec.clip_qkv is not None:
+            c = spec.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q, k, v = q.view(B, T, nh, D), k.view(B, T, nkv, D), v.view(B, T, nkv, D)
+        if spec.qk_norm == "head":
+            q, k = (
+                rms_norm(q, t["q_norm.weight"], spec.norm_eps),
+                rms_norm(k, t["k_norm.weight"], spec.norm_eps),
+            )
+        cos, sin = cos_sin  # [T, D/2]
+        q = Rotary.apply(q.transpose(1, 2), cos, sin)  # [B, nh, T, D]
+        k = Rotary.apply(k.transpose(1, 2), cos, sin)  # [B, nkv, T, D]
+        end = start + T
+        cache_k[:, :, start:end] = k
+        cache_v[:, :, start:end] = v.transpose(1, 2)
+        first = 0 if self.window is None else max(0, start - self.window + 1)
+        keys, values = cache_k[:, :, first:end], cache_v[:, :, first:end]  # [B, nkv, S, D]
+        out = self._attend(q, keys, values, start, first)  # [B, nh, T, D]
+        out = out.transpose(1, 2).reshape(B, T, nh * D)
+        return self._project(out, "o")
+
+    def _attend(self, q, keys, values, start: int, first: int) -> torch.Tensor:
+        B, nh, T, D = q.shape
+        S = keys.shape[2]
+        allowed = None  # a single query with no window sees every cached key
+        if T > 1 or self.window is not None:
+            q_pos = torch.arange(start, start + T, device=q.device)[:, None]
+            k_pos = torch.arange(first, first + S, device=q.device)[None, :]
+            allowed = k_pos <= q_pos
+            if self.window is not None:
+                allowed &= q_pos - k_pos < self.window
+        if not self.spec.sinks:
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=allowed, enable_gqa=self.groups > 1
+            )
+        return self._attend_with_sinks(q, keys, values, allowed)
+
+    def _attend_with_sinks(self, q, keys, values, allowed) -> torch.Tensor:
+        """GPT-OSS: each head's sink logit joins the softmax's denominator (then is dropped)."""
+        B, nh, T, D = q.shape
+        nkv, S = keys.shape[1], keys.shape[2]
+        grouped = q.reshape(B, nkv, self.groups * T, D)  # query heads of one kv head together
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * D**-0.5  # [B, nkv, g*T, S]
+        scores = scores.view(B, nkv, self.groups, T, S)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        sinks = self.t["sinks"].float().view(1, nkv, self.groups, 1, 1).expand(B, -1, -1, T, 1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :S]
+        probs = probs.to(values.dtype).view(B, nkv, self.groups * T, S)
+        return torch.matmul(probs, values).view(B, nh, T, D)

@@ -1,0 +1,111 @@
+"""Frozen specs of a whole model: RoPE, attention, and the decoder stack around the MoE layers.
+
+Family files (`moerun.families.<model_type>`) build a `ModelConfig` from a checkpoint's config;
+nothing else reads checkpoint config keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moerun.activations import GLU
+from moerun.moe.layer import MoESpec
+
+
+class ConfigError(ValueError):
+    """A checkpoint config that moerun cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding over the whole head (`kind`: default, linear or yarn, as transformers names them)."""
+
+    theta: float
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_positions: int | None = None  # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope: RopeSpec
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3); "full": over all heads (OLMoE)
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to ±clip_qkv
+    sinks: bool = False  # GPT-OSS: a learned logit per head that joins every softmax
+    norm_eps: float = 1e-6
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {"q.weight": (q, self.hidden), "k.weight": (kv, self.hidden), "v.weight": (kv, self.hidden)}
+        shapes["o.weight"] = (self.hidden, q)
+        if self.qkv_bias:
+            shapes.update({"q.bias": (q,), "k.bias": (kv,), "v.bias": (kv,)})
+        if self.o_bias:
+            shapes["o.bias"] = (self.hidden,)
+        if self.qk_norm == "head":
+            shapes.update({"q_norm.weight": (self.head_dim,), "k_norm.weight": (self.head_dim,)})
+        elif self.qk_norm == "full":
+            shapes.update({"q_norm.weight": (q,), "k_norm.weight": (kv,)})
+        if self.sinks:
+            shapes["sinks"] = (self.heads,)
+        return shapes
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only MoE transformer: embed -> layers (pre-norm attention, pre-norm MoE or dense
+    GLU MLP) -> norm -> lm_head. Canonical tensor names in `tensor_shapes`."""
+
+    model_type: str
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    attention: AttentionSpec
+    moe: MoESpec
+    moe_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP
+    sliding_windows: tuple[int | None, ...]  # per layer: keys within the last N positions, or all
+    max_positions: int
+    norm_eps: float = 1e-6
+    dense_intermediate: int = 0
+    dense_activation: GLU = GLU()
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if len(self.moe_layers) != self.num_layers or len(self.sliding_windows) != self.num_layers:
+            raise ConfigError("moe_layers and sliding_windows need one entry per layer.")
+        if self.attention.heads % self.attention.kv_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.attention.heads} is not a multiple of "
+                f"num_key_value_heads={self.attention.kv_heads}."
+            )
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        H = self.hidden
+        shapes = {"embed.weight": (self.vocab_size, H), "norm.weight": (H,)}
+        if not self.tie_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, H)
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            shapes[p + "attn_norm.weight"] = (H,)
+            shapes[p + "mlp_norm.weight"] = (H,)
+            shapes.update({p + "attn." + k: s for k, s in self.attention.tensor_shapes().items()})
+            if self.moe_layers[i]:
+                shapes.update({p + "moe." + k: s for k, s in self.moe.tensor_shapes().items()})
+            else:
+                shapes[p + "mlp.gate_up"] = (2 * self.dense_intermediate, H)
+                shapes[p + "mlp.down"] = (H, self.dense_intermediate)
+        return shapes

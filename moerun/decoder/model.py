@@ -1,0 +1,337 @@
+"""The decoder stack around the MoE layers: embed -> [attention, MoE or dense MLP] x layers -> norm
+-> lm_head, run over a preallocated KV cache in chunks of positions.
+
+`MoEModel` holds canonical tensors (`ModelConfig.tensor_shapes`); loaders build them from files.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from moerun.decoder.attention import Attention, KVCache
+from moerun.decoder.config import ModelConfig
+from moerun.decoder.linear import linear
+from moerun.decoder.norm import rms_norm
+from moerun.decoder.placement import place
+from moerun.decoder.rope import Rotary
+from moerun.moe.layer import MoELayer, StateDictError, tensor_problems
+from moerun.moe.routing import RouterCheck, raise_on_bad_router_logits, router_logits
+from moerun.offload import ExpertCache, LayerStream
+from moerun.quant.cache import DequantCache
+from moerun.quant.dequant import dequantize
+from moerun.quant.formats import QTensor
+from moerun.sampling import Sampler, SamplingParams
+from moerun.text.stops import StopMatcher
+from moerun.text.tokenizer import StreamDecoder, Tokenizer
+
+
+class ContextError(ValueError):
+    """A sequence longer than the model's context."""
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token: its id and (when the model has a tokenizer) the text it completes."""
+
+    id: int
+    text: str = ""
+    last: bool = field(default=False, repr=False, compare=False)  # the generation ends after it
+
+
+class DenseMLP:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, activation):
+        self.gate_up, self.down, self.activation = gate_up, down, activation
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.activation(linear(x, self.gate_up).float()).to(x.dtype)  # [B, T, I]
+        return linear(h, self.down)
+
+
+class MoEModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: Mapping[str, torch.Tensor | QTensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        backend: str = "torch",
+        dequant_cache: DequantCache | None = None,
+        prefill_chunk: int = 512,
+        progress: Callable[[int, int], None] | None = None,
+        expert_cache: ExpertCache | None = None,
+        prefetch_k: int | None = None,
+    ):
+        """`progress(done, total)` is called as layers are placed (for a loading bar).
+        `expert_cache`: stream the routed experts through it (moerun.offload) instead of placing them
+        all on the device; `prefetch_k`: while a MoE layer computes, start loading that many of the
+        next MoE layer's experts as predicted by its router on the current hidden state."""
+        check_model_tensors(config, tensors)
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.expert_cache, self.prefetch_k = expert_cache, prefetch_k or 0
+        self.tokenizer: Tokenizer | None = None  # set by moerun.load when the checkpoint has one
+        self.prefill_chunk = prefill_chunk
+        # generate(reuse_prefix=True): the KV cache of the last such generation and the ids it holds
+        self._prefix: tuple[KVCache, list[int]] | None = None
+
+        def dense(name: str) -> torch.Tensor:
+            t = tensors[name]
+            t = dequantize(t) if isinstance(t, QTensor) else t
+            # streaming: the dense part is resident, off the file's map (only the store reads the file)
+            return place(t, self.device, dtype, own=expert_cache is not None)
+
+        self.embed = dense("embed.weight")  # [V, H]
+        self.lm_head = self.embed if config.tie_embeddings else dense("lm_head.weight")
+        self.norm = dense("norm.weight")
+        self.rotary = Rotary(config.attention.rope, config.attention.head_dim, self.device)
+        self.attn_norms, self.mlp_norms, self.attentions, self.mlps = [], [], [], []
+        for i in range(config.num_layers):
+            if progress:
+                progress(i, config.num_layers)
+            p = f"layers.{i}."
+            self.attn_norms.append(dense(p + "attn_norm.weight"))
+            self.mlp_norms.append(dense(p + "mlp_norm.weight"))
+            attn_tensors = {k: dense(p + "attn." + k) for k in config.attention.tensor_shapes()}
+            self.attentions.append(
+                Attention(config.attention, attn_tensors, self.rotary, config.sliding_windows[i])
+            )
+            if config.moe_layers[i]:
+                moe = {k: tensors[p + "moe." + k] for k in config.moe.tensor_shapes()}
+                self.mlps.append(
+                    MoELayer.from_tensors(
+                        config.moe,
+                        moe,
+                        name=p + "moe",
+                        dtype=dtype,
+                        device=self.device,
+                        backend=backend,
+                        dequant_cache=dequant_cache,
+                        stream=LayerStream(expert_cache, p + "moe") if expert_cache is not None else None,
+                    )
+                )
+            else:
+                act = config.dense_activation
+                self.mlps.append(DenseMLP(dense(p + "mlp.gate_up"), dense(p + "mlp.down"), act))
+        moe_layers = [i for i, moe in enumerate(config.moe_layers) if moe]
+        self._next_moe = {a: b for a, b in zip(moe_layers, moe_layers[1:], strict=False)}
+        self._moes = [self.mlps[i] for i in moe_layers]
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        if max_len > self.config.max_positions:
+            raise ContextError(
+                f"A sequence of {max_len} positions is longer than this model's context of "
+                f"{self.config.max_positions} (max_position_embeddings)."
+            )
+        n = self.config.num_layers
+        return KVCache.allocate(n, batch, self.config.attention, max_len, self.dtype, self.device)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """ids [B, T] at the cache's next positions -> final hidden states [B, T, H]; advances the cache."""
+        start, T = cache.length, ids.shape[1]
+        if start + T > cache.capacity:
+            raise ContextError(f"{start + T} positions do not fit a KV cache of {cache.capacity}.")
+        eps = self.config.norm_eps
+        positions = torch.arange(start, start + T, device=self.device)
+        cos_sin = self.rotary.cos_sin(positions, self.dtype)
+        x = F.embedding(ids.to(self.device), self.embed)  # [B, T, H]
+        if self.expert_cache is not None:
+            self.expert_cache.begin_step()
+        # each MoE layer's router-logit check, read back once for the whole pass rather than once a
+        # layer (a host sync per layer would stall a GPU between layers)
+        checks: list[RouterCheck] = []
+        for moe in self._moes:
+            moe.deferred_checks = checks
+        try:
+            x = self._layers(x, cos_sin, cache, start)
+        finally:
+            for moe in self._moes:
+                moe.deferred_checks = None
+        raise_on_bad_router_logits(checks)
+        cache.length = start + T
+        if self.expert_cache is not None:
+            self.expert_cache.end_step()
+        return rms_norm(x, self.norm, eps)
+
+    def _layers(self, x: torch.Tensor, cos_sin, cache: KVCache, start: int) -> torch.Tensor:
+        eps = self.config.norm_eps
+        for i, (attn, mlp) in enumerate(zip(self.attentions, self.mlps, strict=True)):
+            x = x + attn(rms_norm(x, self.attn_norms[i], eps), cos_sin, cache.keys[i], cache.values[i], start)
+            h = rms_norm(x, self.mlp_norms[i], eps)
+            prefetch = self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching
+            if prefetch and i in self._next_moe:
+                x = x + mlp(h, after_fetch=functools.partial(self._prefetch, self._next_moe[i], x))
+            else:
+                x = x + mlp(h)
+        return x
+
+    def _prefetch(self, layer: int, x: torch.Tensor) -> None:
+        """Start loading the `prefetch_k` experts MoE layer `layer`'s router ranks highest for the
+        current hidden states x [B, T, H] (by routing probability summed over tokens)."""
+        moe = self.mlps[layer]
+        h = rms_norm(x, self.mlp_norms[layer], self.config.norm_eps).reshape(-1, moe.spec.hidden)
+        logits = router_logits(h, moe.tensors["router.weight"], moe.tensors.get("router.bias"))  # [T, E]
+        mass = logits.softmax(dim=-1).sum(dim=0)  # [E]
+        top = mass.topk(min(self.prefetch_k, mass.numel())).indices.tolist()
+        self.expert_cache.prefetch([(moe.name, e) for e in top])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.lm_head).float()
+
+    @torch.inference_mode()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids LongTensor [B, T] -> logits fp32 [B, T, vocab], with a fresh cache; prefill in chunks."""
+        ids = torch.as_tensor(ids)
+        if ids.dim() == 1:
+            ids = ids[None]
+        self._check_ids(ids)
+        cache = self.new_cache(ids.shape[0], ids.shape[1])
+        chunks = [
+            self._logits(self.forward(ids[:, s : s + self.prefill_chunk], cache))
+            for s in range(0, ids.shape[1], self.prefill_chunk)
+        ]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        reuse_prefix: bool = False,
+        **sampling,
+    ) -> Iterator[Token]:
+        """Yield up to `max_new_tokens` tokens after `prompt` (text, which needs the checkpoint's
+        tokenizer, or ids): greedy at temperature 0, else sampled (`top_k`, `top_p`, `min_p`,
+        `repetition_penalty`: see moerun.sampling). Each item has `.id` and `.text` (the text it
+        completes; "" without a tokenizer). Stops after an end-of-sequence id, at a `stop` string
+        (not output), or when the context is full. Timings land in `stats()`.
+
+        `reuse_prefix`: keep this generation's KV cache, and start from the previous such
+        generation's where its tokens (prompt and output) begin this prompt, computing only the rest
+        (a chat's next turn repeats the whole conversation). The reused positions were computed in
+        other chunks, so logits may differ from a fresh run's in the last bits."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("This checkpoint has no tokenizer, so the prompt must be token ids.")
+            prompt = self.tokenizer.encode(prompt)
+        tokens = self._generate_ids(
+            list(prompt), max_new_tokens, SamplingParams(temperature, seed=seed, **sampling), reuse_prefix
+        )
+        if self.tokenizer is None:
+            yield from tokens
+            return
+        decoder, stops = StreamDecoder(self.tokenizer), StopMatcher(stop)
+        for token in tokens:
+            text, stopped = stops.push(decoder.push(token.id))
+            if token.last and not stopped:  # the generation ends: release what was held back
+                tail, stopped = stops.push(decoder.flush())
+                text += tail + ("" if stopped else stops.flush())
+            yield Token(token.id, text, last=token.last or stopped)
+            if stopped:
+                return
+
+    @torch.inference_mode()
+    def _generate_ids(
+        self, prompt: list[int], max_new_tokens: int, params: SamplingParams, reuse_prefix: bool = False
+    ) -> Iterator[Token]:
+        sampler = Sampler(params)
+        ids = torch.tensor([prompt], dtype=torch.long)
+        if ids.shape[1] == 0:
+            raise ValueError("generate needs a prompt of at least one token.")
+        self._check_ids(ids)
+        total = min(ids.shape[1] + max_new_tokens, self.config.max_positions)  # prompt + new tokens
+        steps = total - ids.shape[1]
+        eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else set())
+        cache = self.new_cache(1, total)
+        reused = self._reuse_prefix(prompt, cache) if reuse_prefix else 0
+        run = self._last_run = {
+            "prompt_tokens": len(prompt),
+            "reused_tokens": reused,
+            "prefill_s": 0.0,
+            "new_tokens": 0,
+            "decode_s": 0.0,
+        }
+        start = time.perf_counter()
+        for s in range(reused, ids.shape[1], self.prefill_chunk):
+            hidden = self.forward(ids[:, s : s + self.prefill_chunk], cache)
+        seen = list(prompt)
+        # the cache holds seen[:cache.length] whenever this generator stops (Ctrl-C included)
+        self._prefix = (cache, seen) if reuse_prefix else None
+        for step in range(steps):
+            next_id = sampler(self._logits(hidden[0, -1]), seen)  # logits [V]
+            seen.append(next_id)
+            last = next_id in eos or step == steps - 1
+            now = time.perf_counter()
+            run["prefill_s" if step == 0 else "decode_s"] += now - start
+            run["new_tokens"] += 1
+            yield Token(next_id, last=last)
+            if last:
+                return
+            start = time.perf_counter()
+            hidden = self.forward(torch.tensor([[next_id]]), cache)
+
+    def _reuse_prefix(self, prompt: list[int], cache: KVCache) -> int:
+        """Copy into `cache` the longest run of positions the previous reuse_prefix generation
+        computed that starts `prompt` (all but its last token: that one's logits are needed);
+        returns how many."""
+        if self._prefix is None:
+            return 0
+        old, old_ids = self._prefix
+        limit = min(old.length, len(prompt) - 1)
+        n = 0
+        while n < limit and old_ids[n] == prompt[n]:
+            n += 1
+        for new_layer, old_layer in zip(cache.keys + cache.values, old.keys + old.values, strict=True):
+            new_layer[:, :, :n].copy_(old_layer[:, :, :n])
+        cache.length = n
+        return n
+
+    def stats(self) -> dict:
+        """Figures of the last generation: prompt tokens, prefill seconds (to the first new token),
+        new tokens, decode seconds (for the others), and the rates; with expert streaming also
+        "offload": slots, cache bytes, and OffloadStats counters of the last step and in total."""
+        run = dict(getattr(self, "_last_run", {}))
+        if run.get("prefill_s"):
+            run["prefill_tok_s"] = (run["prompt_tokens"] - run.get("reused_tokens", 0)) / run["prefill_s"]
+        if run.get("decode_s"):
+            run["decode_tok_s"] = (run["new_tokens"] - 1) / run["decode_s"]
+        if self.expert_cache is not None:
+            run["offload"] = self.expert_cache.summary()
+        return run
+
+    def close(self) -> None:
+        """Stop expert streaming's reader threads (waiting for reads in flight) and close its files."""
+        if self.expert_cache is not None:
+            self.expert_cache.close()
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        length, V = ids.shape[-1], self.config.vocab_size
+        if length > self.config.max_positions:
+            raise ContextError(
+                f"A sequence of {length} tokens is longer than this model's context of "
+                f"{self.config.max_positions} (max_position_embeddings)."
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+            raise ValueError(f"Token ids must lie in [0, {V}) for this model's vocabulary of {V}.")
+
+
+def check_model_tensors(
+    config: ModelConfig,
+    tensors: Mapping[str, torch.Tensor | QTensor],
+    sources: Mapping[str, str] | None = None,
+    where: str = "",
+) -> None:
+    """One StateDictError listing every missing, unexpected and mis-shaped tensor of the model;
+    `sources` (canonical name -> checkpoint name) and `where` (the file) make the message concrete."""
+    problems = tensor_problems(config.tensor_shapes(), tensors, sources, limit=40)
+    if problems:
+        raise StateDictError(
+            f"{f'{where}: the' if where else 'The'} {config.model_type} checkpoint's tensors do not fit "
+            "its config: " + " | ".join(problems) + "."
+        )

@@ -1,0 +1,28 @@
+"""Mixtral: softmax -> top-k, always renormalised; SiLU-GLU experts; no shared expert."""
+
+from moerun.decoder.config import ModelConfig
+from moerun.families import decoder_config
+from moerun.families.moe_block import first, fused_expert_names, hf_glu
+from moerun.moe.layer import MoESpec
+from moerun.moe.routing import SoftmaxTopK
+
+GGUF_ARCH = "llama"  # general.architecture of its GGUF files (moerun.checkpoint.gguf)
+MOE_NAMES = fused_expert_names(router="gate")
+
+
+def moe_spec(config: dict) -> MoESpec:
+    return MoESpec(
+        hidden=config["hidden_size"],
+        intermediate=config["intermediate_size"],
+        num_experts=first(config, "num_local_experts", "num_experts"),
+        routing=SoftmaxTopK(k=config["num_experts_per_tok"], renormalize=True),
+        activation=hf_glu(config),
+    )
+
+
+def model_config(config: dict) -> ModelConfig:
+    window = config.get("sliding_window")
+    n = config["num_hidden_layers"]
+    return decoder_config.model_config(
+        config, moe_spec(config), decoder_config.attention_spec(config), sliding_windows=[window] * n
+    )

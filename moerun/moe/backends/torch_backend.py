@@ -1,0 +1,98 @@
+"""The torch backend: plain PyTorch, the reference for every other backend and the CPU path.
+
+Only experts that have rows are touched. Projections run in the weights' dtype; the activation,
+the routing weight and the combine run in fp32. The combine sums each token's rows in plan order
+(its experts ascending) with one reduction: no atomics, no scatter-add, so equal inputs give
+bitwise equal outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from moerun.activations import Activation
+from moerun.moe.backends.workspace import Workspace
+from moerun.moe.experts import ExpertWeights
+from moerun.moe.plan import BatchedPlan, TokenPlan, build_plan, build_token_plan
+
+batch_plan = build_plan
+token_plan = build_token_plan
+STREAMS_PREFILL = True  # prefill visits experts one by one, so a stream can fetch them in groups
+
+
+def _expert_forward(x: torch.Tensor, experts: ExpertWeights, e: int, act: Activation) -> torch.Tensor:
+    """x [R, H] through expert e -> [R, H] in the compute dtype."""
+    gate_up, down = experts.dense(e)  # [2I, H], [H, I]
+    h = F.linear(x.to(gate_up.dtype), gate_up, experts.bias("gate_up", e))  # [R, 2I]
+    a = act(h.float()).to(down.dtype)  # [R, I]
+    return F.linear(a, down, experts.bias("down", e))  # [R, H]
+
+
+def expert_rows(
+    x: torch.Tensor, plan: BatchedPlan, experts: ExpertWeights, act: Activation, ws: Workspace
+) -> torch.Tensor:
+    """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order
+    (a view of `ws`, valid until the next call)."""
+    num_rows = plan.order.numel()
+    rows = ws.get("rows", (num_rows, x.shape[1]), torch.float32, x.device)
+    gathered = torch.index_select(
+        x, 0, plan.row_tokens, out=ws.get("gathered", (num_rows, x.shape[1]), x.dtype, x.device)
+    )  # [T*k, H]
+    offsets = plan.offsets.tolist()
+    for e in range(len(offsets) - 1):
+        start, end = offsets[e], offsets[e + 1]
+        if start == end:
+            continue
+        y = _expert_forward(gathered[start:end], experts, e, act)
+        torch.mul(y, plan.row_weights[start:end, None], out=rows[start:end])
+    return rows
+
+
+def combine(rows: torch.Tensor, plan: BatchedPlan, ws: Workspace) -> torch.Tensor:
+    """rows [T*k, H] fp32 in plan order -> out [T, H] fp32: each token's rows summed in plan order."""
+    # a token's slots are ordered by expert id (see moerun.moe.routing.route), so its rows, read through
+    # the inverse, come in plan order
+    by_token = torch.index_select(
+        rows, 0, plan.inverse, out=ws.get("by_token", rows.shape, rows.dtype, rows.device)
+    )
+    by_token = by_token.view(plan.num_tokens, plan.top_k, rows.shape[1])
+    return by_token.sum(dim=1)
+
+
+def token_rows(x: torch.Tensor, plan: TokenPlan, experts: ExpertWeights, act: Activation) -> torch.Tensor:
+    """One token x [H] -> weighted outputs [k, H] fp32 of its experts, ascending."""
+    rows = torch.empty(len(plan.experts), x.shape[0], dtype=torch.float32, device=x.device)
+    for i, e in enumerate(plan.experts):
+        # matrix-vector products: on CPU torch.mv's bf16 path reads weights ~1.4x faster than a
+        # 1-row F.linear, and quantised weights are dequantised tile by tile
+        h = experts.matvec("gate_up", e, x)  # [2I]
+        if (bias := experts.bias("gate_up", e)) is not None:
+            h = h + bias
+        y = experts.matvec("down", e, act(h.float()))  # [H]
+        if (bias := experts.bias("down", e)) is not None:
+            y = y + bias
+        torch.mul(y, plan.weights[i], out=rows[i])
+    return rows
+
+
+def combine_token(rows: torch.Tensor) -> torch.Tensor:
+    """[k, H] fp32 -> [H] fp32, summed in plan order."""
+    return rows.sum(dim=0)
+
+
+def token_forward(x: torch.Tensor, plan: TokenPlan, experts: ExpertWeights, act: Activation) -> torch.Tensor:
+    """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
+    return combine_token(token_rows(x, plan, experts, act))
+
+
+def shared_expert(x: torch.Tensor, t: Mapping[str, torch.Tensor], act: Activation) -> torch.Tensor:
+    """x [T, H] -> the shared expert's output [T, H] fp32 (times sigmoid(x · gate) when gated)."""
+    gate_up, down = t["shared.gate_up"], t["shared.down"]
+    y = F.linear(act(F.linear(x.to(gate_up.dtype), gate_up).float()).to(down.dtype), down).float()
+    gate = t.get("shared.gate")
+    if gate is not None:
+        y = y * torch.sigmoid(F.linear(x.float(), gate))  # [T, 1]
+    return y

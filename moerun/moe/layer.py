@@ -1,0 +1,289 @@
+"""The MoE layer: route -> plan -> experts -> combine (+ shared expert), on a chosen backend.
+
+Tensors are named canonically (`MoESpec.tensor_shapes`); converters from checkpoints and from
+transformers' blocks produce these names, and `MoELayer.from_tensors` checks them all at once.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from moerun.activations import GLU, Activation
+from moerun.decoder.placement import place
+from moerun.moe.backends import Backend, get_backend
+from moerun.moe.backends.workspace import Workspace
+from moerun.moe.experts import ExpertWeights
+from moerun.moe.routing import RouterError, RouteSpec, check_logits, deferred_check, route, router_logits
+from moerun.moe.trace import layer_trace
+from moerun.quant.cache import DequantCache
+from moerun.quant.dequant import dequantize
+from moerun.quant.formats import QTensor
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    hidden: int  # H
+    intermediate: int  # I, per expert
+    num_experts: int  # E
+    routing: RouteSpec
+    activation: Activation = field(default_factory=GLU)
+    router_bias: bool = False
+    score_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (choice only)
+    expert_bias: bool = False
+    shared_intermediate: int = 0  # 0: no shared expert
+    shared_gate: bool = False  # Qwen2-MoE: sigmoid(x · gate) scales the shared expert
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.k
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical tensor name -> shape. Projections are [out, in], experts stacked first."""
+        H, I, E = self.hidden, self.intermediate, self.num_experts
+        shapes = {"router.weight": (E, H), "experts.gate_up": (E, 2 * I, H), "experts.down": (E, H, I)}
+        if self.router_bias:
+            shapes["router.bias"] = (E,)
+        if self.score_bias:
+            shapes["router.score_bias"] = (E,)
+        if self.expert_bias:
+            shapes["experts.gate_up_bias"] = (E, 2 * I)
+            shapes["experts.down_bias"] = (E, H)
+        if self.shared_intermediate:
+            S = self.shared_intermediate
+            shapes["shared.gate_up"] = (2 * S, H)
+            shapes["shared.down"] = (H, S)
+            if self.shared_gate:
+                shapes["shared.gate"] = (1, H)
+        return shapes
+
+
+class StateDictError(ValueError):
+    """Tensors that do not fit a layer's spec."""
+
+
+# kept in fp32 whatever the compute dtype: routing runs in fp32
+FP32_TENSORS = frozenset({"router.weight", "router.bias", "router.score_bias", "shared.gate"})
+_EXPERT_PROJECTIONS = ("experts.gate_up", "experts.down")
+
+
+class MoELayer:
+    """One MoE block. Call it with x [T, H] or [B, T, H]; returns the same shape and dtype.
+
+    `tensors` holds the canonical names (see MoESpec.tensor_shapes): router tensors in fp32, the
+    expert projections dense or as QTensor, everything else dense in the compute dtype."""
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        tensors: Mapping[str, torch.Tensor | QTensor],
+        name: str = "moe",
+        backend: str | Backend = "torch",
+        dtype: torch.dtype | None = None,
+        dequant_cache: DequantCache | None = None,
+        stream=None,
+    ):
+        """`stream` (a moerun.offload.LayerStream): the expert projections in `tensors` stay on the
+        host and each step's experts are fetched into the shared expert cache's slots."""
+        self.spec = spec
+        self.name = name
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.tensors = dict(tensors)
+        dense_experts = [
+            t for k, t in tensors.items() if k in _EXPERT_PROJECTIONS and not isinstance(t, QTensor)
+        ]
+        self.dtype = dtype or (dense_experts[0].dtype if dense_experts else torch.float32)
+        self.experts = ExpertWeights(
+            tensors["experts.gate_up"],
+            tensors["experts.down"],
+            tensors.get("experts.gate_up_bias"),
+            tensors.get("experts.down_bias"),
+            dtype=self.dtype,
+            layer_name=name,
+            cache=dequant_cache,
+            stream=stream,
+        )
+        unsupported = getattr(self.backend, "unsupported", None)
+        if unsupported is not None and (reason := unsupported(self.experts)):
+            warnings.warn(f"{reason}; such MoE layers run on the torch backend.", stacklevel=2)
+            self.backend = get_backend("torch")
+        # prefill on a backend that needs every touched expert resident at once (one grouped GEMM)
+        # goes through the torch backend's expert-by-expert path when the experts are streamed
+        streams_prefill = stream is None or self.backend.STREAMS_PREFILL
+        self.batch_backend = self.backend if streams_prefill else get_backend("torch")
+        self.workspace = Workspace()
+        self._route_ms = 0.0
+        # set by MoEModel.forward: router checks collected for one read-back per pass (None: checked here)
+        self.deferred_checks: list | None = None
+
+    @classmethod
+    def from_tensors(
+        cls,
+        spec: MoESpec,
+        tensors: Mapping[str, torch.Tensor | QTensor],
+        name: str = "moe",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        backend: str = "torch",
+        dequant_cache: DequantCache | None = None,
+        stream=None,
+    ) -> MoELayer:
+        """Check every tensor against the spec (all problems in one error), then build the layer.
+
+        Router tensors are kept in fp32; quantised expert projections stay quantised; the rest take
+        `dtype` (default: the dense expert weights' dtype, or fp32 when all of them are quantised).
+        With a `stream` the expert projections are left where they are (the store reads them) and
+        every other tensor is copied off the checkpoint's map, so only the store touches the file."""
+        check_tensors(spec, tensors, name)
+        dtype = dtype or _compute_dtype(tensors)
+        placed = {}
+        for key, tensor in tensors.items():
+            if stream is not None and key in _EXPERT_PROJECTIONS:
+                placed[key] = tensor
+                continue
+            if isinstance(tensor, QTensor) and key in _EXPERT_PROJECTIONS:
+                # quantised experts stay where the file put them: no BLAS reads them, and the
+                # quantised kernels' sums do not depend on an address
+                placed[key] = QTensor(tensor.format, tensor.shape, tensor.data.to(device).contiguous())
+                continue
+            if isinstance(tensor, QTensor):  # small non-expert tensors are used dense
+                tensor = dequantize(tensor)
+            target = torch.float32 if key in FP32_TENSORS else dtype
+            placed[key] = place(tensor, device, target, own=stream is not None)
+        return cls(
+            spec, placed, name=name, backend=backend, dtype=dtype, dequant_cache=dequant_cache, stream=stream
+        )
+
+    def __call__(self, x: torch.Tensor, after_fetch: Callable[[], None] | None = None) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.spec.hidden)  # [T, H]
+        out = self.forward(x, after_fetch)
+        return out.reshape(shape)
+
+    def forward(self, x: torch.Tensor, after_fetch: Callable[[], None] | None = None) -> torch.Tensor:
+        """`after_fetch` (streaming only) runs once this step's first experts are fetched and pinned,
+        before they compute: the model starts its prefetch for the next layer there."""
+        stream = self.experts.stream
+        if stream is None:
+            return self._forward(x)
+        start, fetched = time.perf_counter(), stream.fetch_s
+        try:
+            return self._forward(x, after_fetch)
+        finally:
+            stream.end()
+            total_ms = 1e3 * (time.perf_counter() - start)
+            route_ms = self._route_ms
+            stream.cache.record(route_ms, total_ms - route_ms - 1e3 * (stream.fetch_s - fetched))
+
+    def _forward(self, x: torch.Tensor, after_fetch: Callable[[], None] | None = None) -> torch.Tensor:
+        spec, t = self.spec, self.tensors
+        backend = self.backend if x.shape[0] == 1 else self.batch_backend
+        trace = layer_trace(self.name)
+        route_start = time.perf_counter()
+        with trace.stage("route", x.device):
+            logits = router_logits(x, t["router.weight"], t.get("router.bias"))  # [T, E] fp32
+            if self.deferred_checks is not None:  # the model reads every layer's check back at once
+                self.deferred_checks.append(deferred_check(logits, self.name))
+            else:
+                try:
+                    check_logits(logits, self.name)
+                except RouterError:
+                    trace.router_figures(logits, None, None, spec.num_experts)
+                    raise
+            weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
+            trace.router_figures(logits, ids, weights, spec.num_experts)
+        self._route_ms = 1e3 * (time.perf_counter() - route_start)
+        if self.experts.stream is not None:  # the host stage: the step's experts into cache slots
+            self._fetch(torch.unique(ids).tolist(), after_fetch)
+        if x.shape[0] == 1:
+            with trace.stage("plan", x.device):
+                plan = backend.token_plan(ids, weights, self.name)
+            with trace.stage("experts", x.device):  # the experts and their ordered sum
+                out = backend.token_forward(x[0], plan, self.experts, spec.activation)[None]  # [1, H] fp32
+        else:
+            with trace.stage("plan", x.device):
+                plan = backend.batch_plan(ids, weights, spec.num_experts)
+            with trace.stage("experts", x.device):
+                rows = backend.expert_rows(
+                    x, plan, self.experts, spec.activation, self.workspace
+                )  # [T*k, H] fp32
+            with trace.stage("combine", x.device):
+                out = backend.combine(rows, plan, self.workspace)  # [T, H] fp32
+        if spec.shared_intermediate:
+            with trace.stage("shared", x.device):
+                out = out + backend.shared_expert(x, t, spec.activation)
+        trace.finish(x.shape[0])
+        return out.to(x.dtype)
+
+    def _fetch(self, experts: list[int], after_fetch: Callable[[], None] | None) -> None:
+        """Streaming: announce the step's experts (ascending) to the cache; the first group loads."""
+        self.experts.stream.begin([int(e) for e in experts])
+        if after_fetch is not None:
+            after_fetch()
+
+
+def _compute_dtype(tensors: Mapping[str, torch.Tensor | QTensor]) -> torch.dtype:
+    """The dense expert weights' dtype; fp32 when every expert projection is quantised."""
+    for key in _EXPERT_PROJECTIONS:
+        if key in tensors and not isinstance(tensors[key], QTensor):
+            return tensors[key].dtype
+    return torch.float32
+
+
+def tensor_problems(
+    expected: Mapping[str, tuple[int, ...]],
+    tensors: Mapping[str, torch.Tensor | QTensor],
+    sources: Mapping[str, str] | None = None,
+    limit: int | None = None,
+) -> list[str]:
+    """Every missing, unexpected, mis-shaped and non-floating tensor against `expected` shapes, as
+    parts of one message. `sources` maps a canonical name to the checkpoint name it comes from; name
+    lists longer than `limit` are cut short."""
+
+    def label(key: str) -> str:
+        return f"{key} ({sources[key]})" if sources and sources.get(key, key) != key else key
+
+    def listed(names: list[str]) -> str:
+        if limit is not None and len(names) > limit:
+            names = [*names[:limit], f"... ({len(names) - limit} more)"]
+        return ", ".join(names)
+
+    missing = [label(key) for key in expected if key not in tensors]
+    unexpected = [key for key in tensors if key not in expected]
+    misshaped = [
+        f"{label(key)} is {tuple(tensors[key].shape)}, expected {shape}"
+        for key, shape in expected.items()
+        if key in tensors and tuple(tensors[key].shape) != shape
+    ]
+    not_float = [
+        label(key)
+        for key in expected
+        if key in tensors and not isinstance(tensors[key], QTensor) and not tensors[key].is_floating_point()
+    ]
+    problems = []
+    if missing:
+        problems.append("missing " + listed(missing))
+    if unexpected:
+        problems.append("unexpected " + listed(unexpected))
+    if misshaped:
+        problems.append("mis-shaped: " + "; ".join(misshaped))
+    if not_float:
+        problems.append("not floating point: " + listed(not_float))
+    return problems
+
+
+def check_tensors(
+    spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str, sources: Mapping[str, str] | None = None
+) -> None:
+    """Raise one StateDictError listing every missing, unexpected and mis-shaped tensor.
+
+    `sources` maps a canonical name to the checkpoint name it came from, for the message."""
+    problems = tensor_problems(spec.tensor_shapes(), tensors, sources)
+    if problems:
+        raise StateDictError(
+            f"Tensors for MoE layer {name!r} do not fit its config: " + " | ".join(problems) + "."
+        )

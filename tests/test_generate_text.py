@@ -99,4 +99,4 @@ def test_reuse_prefix_computes_only_the_new_tokens_and_changes_no_greedy_token(c
     assert out == [t.id for t in fresh.generate(third, max_new_tokens=4)]
     # without reuse_prefix nothing is kept or reused
     list(model.generate(third, max_new_tokens=2))
-    assert model.stats()["reused_tokens"] == 0 and model._prefix is None
+    assert model.stats()["reused_tokens"] == 0 and model.generator.prefix is None

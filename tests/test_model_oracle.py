@@ -122,4 +122,6 @@ def test_bad_router_logits_name_the_first_bad_layer_after_one_read_back(tmp_path
     model.mlps[1].tensors["router.weight"][0, 0] = float("nan")
     with pytest.raises(RouterError, match=r"layer 'layers\.1\.moe'.*6 NaN"):
         model.logits(ids)
-    assert all(moe.deferred_checks is None for moe in model.mlps)  # the layers check alone again
+    # a layer called alone (no pass collecting checks) still refuses the bad logits itself
+    with pytest.raises(RouterError, match=r"layer 'layers\.1\.moe'"):
+        model.mlps[1](torch.randn(2, model.config.moe.hidden))

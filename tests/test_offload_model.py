@@ -61,7 +61,7 @@ def _decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
     cache = model.new_cache(1, ids.shape[1])
     with torch.inference_mode():
         return torch.cat(
-            [model._logits(model.forward(ids[:, t : t + 1], cache))[0] for t in range(ids.shape[1])]
+            [model.hidden_logits(model.forward(ids[:, t : t + 1], cache))[0] for t in range(ids.shape[1])]
         )
 
 

@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from moerun.sampling import Sampler, SamplingParams, filtered_logits, penalise_repeats
+from moerun.generate import Sampler, SamplingParams, filtered_logits, penalise_repeats
 
 SETTINGS = [
     dict(temperature=0.7),

@@ -105,7 +105,7 @@ def run_model_bench(
         peer(ids, cache=peer_cache, use_cache=True)
         for i, token in enumerate(steps):
             tok = torch.tensor([[token]], device=device)
-            t_ours = timed(lambda tok=tok: ours._logits(ours.forward(tok, cache)), device)
+            t_ours = timed(lambda tok=tok: ours.hidden_logits(ours.forward(tok, cache)), device)
             t_peer = timed(lambda tok=tok: peer(tok, cache=peer_cache, use_cache=True).logits, device)
             if i:  # the first step pays one-time costs on both sides
                 decode["moerun"].append(t_ours)

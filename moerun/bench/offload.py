@@ -162,7 +162,7 @@ def race(
             model = models[name]
             before_step()
             t0 = time.perf_counter()
-            logits = model._logits(model.forward(torch.tensor([[token]]), caches[name]))[0, -1]
+            logits = model.hidden_logits(model.forward(torch.tensor([[token]]), caches[name]))[0, -1]
             dt = time.perf_counter() - t0
             if i >= warmup:
                 out[name]["seconds"] += dt

@@ -163,7 +163,7 @@ def load(
             raise CacheBudgetError(
                 f"{root}: the model does not fit the device: {fit.describe()} {err}"
             ) from None
-    model = MoEModel(
+    return MoEModel(
         model_config,
         stand_ins(tensors),  # streamed experts: storage-free stand-ins; the expert store has the bytes
         dtype=dtype,
@@ -173,9 +173,8 @@ def load(
         progress=progress,
         expert_cache=expert_cache,
         prefetch_k=prefetch_k,
+        tokenizer=tokenizer,
     )
-    model.tokenizer = tokenizer
-    return model
 
 
 def _expert_cache(

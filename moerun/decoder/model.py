@@ -7,9 +7,7 @@
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,28 +18,18 @@ from moerun.decoder.linear import linear
 from moerun.decoder.norm import rms_norm
 from moerun.decoder.placement import place
 from moerun.decoder.rope import Rotary
+from moerun.generate import Generator, Token
 from moerun.moe.layer import MoELayer, StateDictError, tensor_problems
 from moerun.moe.routing import RouterCheck, raise_on_bad_router_logits, router_logits
 from moerun.offload import ExpertCache, LayerStream
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
-from moerun.sampling import Sampler, SamplingParams
-from moerun.text.stops import StopMatcher
-from moerun.text.tokenizer import StreamDecoder, Tokenizer
+from moerun.text.tokenizer import Tokenizer
 
 
 class ContextError(ValueError):
     """A sequence longer than the model's context."""
-
-
-@dataclass(frozen=True)
-class Token:
-    """One generated token: its id and (when the model has a tokenizer) the text it completes."""
-
-    id: int
-    text: str = ""
-    last: bool = field(default=False, repr=False, compare=False)  # the generation ends after it
 
 
 class DenseMLP:
@@ -66,6 +54,7 @@ class MoEModel:
         progress: Callable[[int, int], None] | None = None,
         expert_cache: ExpertCache | None = None,
         prefetch_k: int | None = None,
+        tokenizer: Tokenizer | None = None,
     ):
         """`progress(done, total)` is called as layers are placed (for a loading bar).
         `expert_cache`: stream the routed experts through it (moerun.offload) instead of placing them
@@ -74,10 +63,9 @@ class MoEModel:
         check_model_tensors(config, tensors)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.expert_cache, self.prefetch_k = expert_cache, prefetch_k or 0
-        self.tokenizer: Tokenizer | None = None  # set by moerun.load when the checkpoint has one
+        self.tokenizer = tokenizer  # text prompts and outputs; None: ids only
         self.prefill_chunk = prefill_chunk
-        # generate(reuse_prefix=True): the KV cache of the last such generation and the ids it holds
-        self._prefix: tuple[KVCache, list[int]] | None = None
+        self.generator = Generator(self)
 
         def dense(name: str) -> torch.Tensor:
             t = tensors[name]
@@ -144,29 +132,28 @@ class MoEModel:
         # each MoE layer's router-logit check, read back once for the whole pass rather than once a
         # layer (a host sync per layer would stall a GPU between layers)
         checks: list[RouterCheck] = []
-        for moe in self._moes:
-            moe.deferred_checks = checks
-        try:
-            x = self._layers(x, cos_sin, cache, start)
-        finally:
-            for moe in self._moes:
-                moe.deferred_checks = None
+        x = self._layers(x, cos_sin, cache, start, checks)
         raise_on_bad_router_logits(checks)
         cache.length = start + T
         if self.expert_cache is not None:
             self.expert_cache.end_step()
         return rms_norm(x, self.norm, eps)
 
-    def _layers(self, x: torch.Tensor, cos_sin, cache: KVCache, start: int) -> torch.Tensor:
+    def _layers(
+        self, x: torch.Tensor, cos_sin, cache: KVCache, start: int, checks: list[RouterCheck]
+    ) -> torch.Tensor:
         eps = self.config.norm_eps
         for i, (attn, mlp) in enumerate(zip(self.attentions, self.mlps, strict=True)):
             x = x + attn(rms_norm(x, self.attn_norms[i], eps), cos_sin, cache.keys[i], cache.values[i], start)
             h = rms_norm(x, self.mlp_norms[i], eps)
-            prefetch = self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching
-            if prefetch and i in self._next_moe:
-                x = x + mlp(h, after_fetch=functools.partial(self._prefetch, self._next_moe[i], x))
-            else:
+            if not self.config.moe_layers[i]:
                 x = x + mlp(h)
+                continue
+            prefetch = self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching
+            after_fetch = None
+            if prefetch and i in self._next_moe:
+                after_fetch = functools.partial(self._prefetch, self._next_moe[i], x)
+            x = x + mlp(h, after_fetch=after_fetch, router_checks=checks)
         return x
 
     def _prefetch(self, layer: int, x: torch.Tensor) -> None:
@@ -179,7 +166,8 @@ class MoEModel:
         top = mass.topk(min(self.prefetch_k, mass.numel())).indices.tolist()
         self.expert_cache.prefetch([(moe.name, e) for e in top])
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def hidden_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [..., H] -> logits fp32 [..., vocab]."""
         return linear(hidden, self.lm_head).float()
 
     @torch.inference_mode()
@@ -188,129 +176,28 @@ class MoEModel:
         ids = torch.as_tensor(ids)
         if ids.dim() == 1:
             ids = ids[None]
-        self._check_ids(ids)
+        self.check_ids(ids)
         cache = self.new_cache(ids.shape[0], ids.shape[1])
         chunks = [
-            self._logits(self.forward(ids[:, s : s + self.prefill_chunk], cache))
+            self.hidden_logits(self.forward(ids[:, s : s + self.prefill_chunk], cache))
             for s in range(0, ids.shape[1], self.prefill_chunk)
         ]
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
 
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        reuse_prefix: bool = False,
-        **sampling,
-    ) -> Iterator[Token]:
-        """Yield up to `max_new_tokens` tokens after `prompt` (text, which needs the checkpoint's
-        tokenizer, or ids): greedy at temperature 0, else sampled (`top_k`, `top_p`, `min_p`,
-        `repetition_penalty`: see moerun.sampling). Each item has `.id` and `.text` (the text it
-        completes; "" without a tokenizer). Stops after an end-of-sequence id, at a `stop` string
-        (not output), or when the context is full. Timings land in `stats()`.
-
-        `reuse_prefix`: keep this generation's KV cache, and start from the previous such
-        generation's where its tokens (prompt and output) begin this prompt, computing only the rest
-        (a chat's next turn repeats the whole conversation). The reused positions were computed in
-        other chunks, so logits may differ from a fresh run's in the last bits."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("This checkpoint has no tokenizer, so the prompt must be token ids.")
-            prompt = self.tokenizer.encode(prompt)
-        tokens = self._generate_ids(
-            list(prompt), max_new_tokens, SamplingParams(temperature, seed=seed, **sampling), reuse_prefix
-        )
-        if self.tokenizer is None:
-            yield from tokens
-            return
-        decoder, stops = StreamDecoder(self.tokenizer), StopMatcher(stop)
-        for token in tokens:
-            text, stopped = stops.push(decoder.push(token.id))
-            if token.last and not stopped:  # the generation ends: release what was held back
-                tail, stopped = stops.push(decoder.flush())
-                text += tail + ("" if stopped else stops.flush())
-            yield Token(token.id, text, last=token.last or stopped)
-            if stopped:
-                return
-
-    @torch.inference_mode()
-    def _generate_ids(
-        self, prompt: list[int], max_new_tokens: int, params: SamplingParams, reuse_prefix: bool = False
-    ) -> Iterator[Token]:
-        sampler = Sampler(params)
-        ids = torch.tensor([prompt], dtype=torch.long)
-        if ids.shape[1] == 0:
-            raise ValueError("generate needs a prompt of at least one token.")
-        self._check_ids(ids)
-        total = min(ids.shape[1] + max_new_tokens, self.config.max_positions)  # prompt + new tokens
-        steps = total - ids.shape[1]
-        eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else set())
-        cache = self.new_cache(1, total)
-        reused = self._reuse_prefix(prompt, cache) if reuse_prefix else 0
-        run = self._last_run = {
-            "prompt_tokens": len(prompt),
-            "reused_tokens": reused,
-            "prefill_s": 0.0,
-            "new_tokens": 0,
-            "decode_s": 0.0,
-        }
-        start = time.perf_counter()
-        for s in range(reused, ids.shape[1], self.prefill_chunk):
-            hidden = self.forward(ids[:, s : s + self.prefill_chunk], cache)
-        seen = list(prompt)
-        # the cache holds seen[:cache.length] whenever this generator stops (Ctrl-C included)
-        self._prefix = (cache, seen) if reuse_prefix else None
-        for step in range(steps):
-            next_id = sampler(self._logits(hidden[0, -1]), seen)  # logits [V]
-            seen.append(next_id)
-            last = next_id in eos or step == steps - 1
-            now = time.perf_counter()
-            run["prefill_s" if step == 0 else "decode_s"] += now - start
-            run["new_tokens"] += 1
-            yield Token(next_id, last=last)
-            if last:
-                return
-            start = time.perf_counter()
-            hidden = self.forward(torch.tensor([[next_id]]), cache)
-
-    def _reuse_prefix(self, prompt: list[int], cache: KVCache) -> int:
-        """Copy into `cache` the longest run of positions the previous reuse_prefix generation
-        computed that starts `prompt` (all but its last token: that one's logits are needed);
-        returns how many."""
-        if self._prefix is None:
-            return 0
-        old, old_ids = self._prefix
-        limit = min(old.length, len(prompt) - 1)
-        n = 0
-        while n < limit and old_ids[n] == prompt[n]:
-            n += 1
-        for new_layer, old_layer in zip(cache.keys + cache.values, old.keys + old.values, strict=True):
-            new_layer[:, :, :n].copy_(old_layer[:, :, :n])
-        cache.length = n
-        return n
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, **options) -> Iterator[Token]:
+        """Yield up to `max_new_tokens` new tokens after `prompt` (see moerun.generate.Generator)."""
+        return self.generator.generate(prompt, max_new_tokens, **options)
 
     def stats(self) -> dict:
-        """Figures of the last generation: prompt tokens, prefill seconds (to the first new token),
-        new tokens, decode seconds (for the others), and the rates; with expert streaming also
-        "offload": slots, cache bytes, and OffloadStats counters of the last step and in total."""
-        run = dict(getattr(self, "_last_run", {}))
-        if run.get("prefill_s"):
-            run["prefill_tok_s"] = (run["prompt_tokens"] - run.get("reused_tokens", 0)) / run["prefill_s"]
-        if run.get("decode_s"):
-            run["decode_tok_s"] = (run["new_tokens"] - 1) / run["decode_s"]
-        if self.expert_cache is not None:
-            run["offload"] = self.expert_cache.summary()
-        return run
+        """Figures of the last generation (see moerun.generate.Generator.stats)."""
+        return self.generator.stats()
 
     def close(self) -> None:
         """Stop expert streaming's reader threads (waiting for reads in flight) and close its files."""
         if self.expert_cache is not None:
             self.expert_cache.close()
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
+    def check_ids(self, ids: torch.Tensor) -> None:
         length, V = ids.shape[-1], self.config.vocab_size
         if length > self.config.max_positions:
             raise ContextError(

@@ -18,7 +18,15 @@ from moerun.decoder.placement import place
 from moerun.moe.backends import Backend, get_backend
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
-from moerun.moe.routing import RouterError, RouteSpec, check_logits, deferred_check, route, router_logits
+from moerun.moe.routing import (
+    RouterCheck,
+    RouterError,
+    RouteSpec,
+    check_logits,
+    deferred_check,
+    route,
+    router_logits,
+)
 from moerun.moe.trace import layer_trace
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
@@ -117,8 +125,6 @@ class MoELayer:
         self.batch_backend = self.backend if streams_prefill else get_backend("torch")
         self.workspace = Workspace()
         self._route_ms = 0.0
-        # set by MoEModel.forward: router checks collected for one read-back per pass (None: checked here)
-        self.deferred_checks: list | None = None
 
     @classmethod
     def from_tensors(
@@ -158,36 +164,50 @@ class MoELayer:
             spec, placed, name=name, backend=backend, dtype=dtype, dequant_cache=dequant_cache, stream=stream
         )
 
-    def __call__(self, x: torch.Tensor, after_fetch: Callable[[], None] | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        after_fetch: Callable[[], None] | None = None,
+        router_checks: list[RouterCheck] | None = None,
+    ) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.spec.hidden)  # [T, H]
-        out = self.forward(x, after_fetch)
+        out = self.forward(x, after_fetch, router_checks)
         return out.reshape(shape)
 
-    def forward(self, x: torch.Tensor, after_fetch: Callable[[], None] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        after_fetch: Callable[[], None] | None = None,
+        router_checks: list[RouterCheck] | None = None,
+    ) -> torch.Tensor:
         """`after_fetch` (streaming only) runs once this step's first experts are fetched and pinned,
-        before they compute: the model starts its prefetch for the next layer there."""
+        before they compute: the model starts its prefetch for the next layer there.
+        `router_checks`: the router-logit check is appended there, for the caller to read back with
+        other layers' at once (a host sync per layer would stall a GPU); None: checked here."""
         stream = self.experts.stream
         if stream is None:
-            return self._forward(x)
+            return self._forward(x, None, router_checks)
         start, fetched = time.perf_counter(), stream.fetch_s
         try:
-            return self._forward(x, after_fetch)
+            return self._forward(x, after_fetch, router_checks)
         finally:
             stream.end()
             total_ms = 1e3 * (time.perf_counter() - start)
             route_ms = self._route_ms
             stream.cache.record(route_ms, total_ms - route_ms - 1e3 * (stream.fetch_s - fetched))
 
-    def _forward(self, x: torch.Tensor, after_fetch: Callable[[], None] | None = None) -> torch.Tensor:
+    def _forward(
+        self, x: torch.Tensor, after_fetch: Callable[[], None] | None, router_checks: list[RouterCheck] | None
+    ) -> torch.Tensor:
         spec, t = self.spec, self.tensors
         backend = self.backend if x.shape[0] == 1 else self.batch_backend
         trace = layer_trace(self.name)
         route_start = time.perf_counter()
         with trace.stage("route", x.device):
             logits = router_logits(x, t["router.weight"], t.get("router.bias"))  # [T, E] fp32
-            if self.deferred_checks is not None:  # the model reads every layer's check back at once
-                self.deferred_checks.append(deferred_check(logits, self.name))
+            if router_checks is not None:  # the caller reads every layer's check back at once
+                router_checks.append(deferred_check(logits, self.name))
             else:
                 try:
                     check_logits(logits, self.name)

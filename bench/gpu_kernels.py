@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moerun.bench.layer import SHAPES, BenchShape, copy_bandwidth, random_layer  # noqa: E402
+from moerun.moe.backends import KernelOptions  # noqa: E402
 from moerun.moe.layer import MoELayer  # noqa: E402
 from moerun.quant.formats import QTensor, get_format  # noqa: E402
 
@@ -66,7 +67,9 @@ def random_blocks(fmt_name: str, shape: tuple[int, ...], device: str, gen: torch
     return QTensor(fmt, tuple(shape), blocks.flatten(-2))
 
 
-def make_layer(shape_name: str, fmt: str, backend: str, device: str, smoke: bool) -> MoELayer:
+def make_layer(
+    shape_name: str, fmt: str, backend: str, device: str, smoke: bool, q8_1: bool = False
+) -> MoELayer:
     shape = (SMOKE if smoke else SHAPES)[shape_name]
     dense = random_layer(shape, torch.bfloat16, device)
     tensors = dict(dense.tensors)
@@ -74,7 +77,9 @@ def make_layer(shape_name: str, fmt: str, backend: str, device: str, smoke: bool
         gen = torch.Generator(device=device).manual_seed(0)
         for name in ("experts.gate_up", "experts.down"):
             tensors[name] = random_blocks(fmt, tuple(tensors[name].shape), device, gen)
-    return MoELayer(dense.spec, tensors, name=f"bench.{shape_name}", backend=backend, dtype=torch.bfloat16)
+    options = KernelOptions(int8_activations=q8_1)
+    name = f"bench.{shape_name}"
+    return MoELayer(dense.spec, tensors, name=name, backend=backend, dtype=torch.bfloat16, options=options)
 
 
 def _seconds(fn, device: str, repeats: int) -> float:
@@ -106,8 +111,7 @@ def expert_bytes(layer: MoELayer) -> int:
 def bench_decode(shape_name: str, fmt: str, q8_1: bool, device: str, bandwidth: float, smoke: bool) -> dict:
     from moerun.moe.backends import triton_backend
 
-    triton_backend.USE_Q8_1 = q8_1  # read when the layer's kernels are first prepared
-    layer = make_layer(shape_name, fmt, "triton", device, smoke)
+    layer = make_layer(shape_name, fmt, "triton", device, smoke, q8_1)
     spec = layer.spec
     x = torch.randn(1, spec.hidden, device=device, dtype=torch.bfloat16)
     repeats = 2 if smoke else 200

@@ -39,12 +39,11 @@ TORCH_DEQUANTIZERS = dict(dequant.BLOCK_DEQUANTIZERS)
 
 
 def torch_path(name: str, data: np.ndarray) -> torch.Tensor:
-    """`dequantize_bytes` with the numba kernels switched off (and the torch ones back, if the
-    `numba_only` fixture took them away)."""
+    """`dequantize_bytes` without the numba kernels (and the torch ones back, if the `numba_only`
+    fixture took them away)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dequant, "USE_NUMBA", False)
         mp.setitem(dequant.BLOCK_DEQUANTIZERS, name, TORCH_DEQUANTIZERS[name])
-        return dequantize_bytes(FORMATS[name], torch.from_numpy(data))
+        return dequantize_bytes(FORMATS[name], torch.from_numpy(data), numba=False)
 
 
 def gguf_values(name: str, data: np.ndarray) -> torch.Tensor:
@@ -67,7 +66,6 @@ def numba_only(monkeypatch):
     def torch_dequantiser_called(blocks):
         raise AssertionError("the torch dequantiser ran instead of numba's")
 
-    monkeypatch.setattr(dequant, "USE_NUMBA", True)
     monkeypatch.setattr(dequant, "NUMBA_MIN_BLOCKS", 1)
     for name in FORMAT_NAMES:
         monkeypatch.setitem(dequant.BLOCK_DEQUANTIZERS, name, torch_dequantiser_called)

@@ -97,5 +97,4 @@ def test_fused_matvec_prefers_numba(monkeypatch, capsys):
     monkeypatch.setattr(numba_matvec, "numba_matvec", lambda *args: calls.append(args) or torch.zeros(16))
     cpu_matvec.fused_matvec(FORMATS["mxfp4_gpt_oss"], weights.data, torch.randn(256))
     assert len(calls) == 1
-    monkeypatch.setattr(cpu_matvec, "USE_NUMBA", False)
-    assert not cpu_matvec.has_fused_matvec(FORMATS["mxfp4_gpt_oss"])
+    assert not cpu_matvec.has_fused_matvec(FORMATS["mxfp4_gpt_oss"], numba=False)

@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import save_file
 
 from moerun.loader import SafetensorsFile
+from moerun.loader.mapped import MappedFile
 from moerun.offload import (
     CacheBudgetError,
     ExpertCache,
     ExpertReadError,
     ExpertStore,
-    MappedFile,
     minimum_bytes,
 )
 

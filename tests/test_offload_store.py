@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from moerun.loader import SafetensorsFile
-from moerun.offload import ExpertReadError, ExpertStore, MappedFile
+from moerun.loader.mapped import MappedFile
+from moerun.offload import ExpertReadError, ExpertStore
 from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces, Piece
 from moerun.offload.store import FileReader, _chunks
 from moerun.quant.formats import get_format

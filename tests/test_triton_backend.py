@@ -13,7 +13,7 @@ from hf_blocks import H, make_block, run_block
 from test_layer_oracle import CASES, _family
 
 from moerun.families.moe_block import layer_from_transformers
-from moerun.moe.backends import resolve_backend
+from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, KernelOptions, resolve_backend
 from moerun.moe.layer import MoELayer, MoESpec
 from moerun.moe.routing import SoftmaxTopK
 from moerun.quant.dequant import dequantize
@@ -65,11 +65,13 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _quantised_layer(gate_up_format: str, down_format: str, backend: str) -> MoELayer:
+def _quantised_layer(
+    gate_up_format: str, down_format: str, backend: str, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+) -> MoELayer:
     tensors = _tensors()
     tensors["experts.gate_up"] = quantize(tensors["experts.gate_up"], gate_up_format)
     tensors["experts.down"] = quantize(tensors["experts.down"], down_format)
-    return MoELayer.from_tensors(SPEC, tensors, backend=backend, device=DEVICE)
+    return MoELayer.from_tensors(SPEC, tensors, backend=backend, device=DEVICE, options=options)
 
 
 @pytest.mark.parametrize("tokens", [1, 19])
@@ -238,15 +240,12 @@ def test_graphed_step_runs_eagerly_off_cuda():
     assert step.graph is None
 
 
-def test_integer_decode_path_on_q8_1_activations(monkeypatch):
-    """With USE_Q8_1 the k-quant decode multiplies integer quants with q8_1 activations: close to the
-    float path (the activations are rounded to 8 bits per block of 32)."""
-    from moerun.moe.backends import triton_backend
-
+def test_integer_decode_path_on_q8_1_activations():
+    """With int8 activations the k-quant decode multiplies integer quants with q8_1 activations: close
+    to the float path (the activations are rounded to 8 bits per block of 32)."""
     x = torch.randn(1, QH, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     exact = _quantised_layer("q4_k", "q6_k", "triton")(x)
-    monkeypatch.setattr(triton_backend, "USE_Q8_1", True)
-    rounded = _quantised_layer("q4_k", "q6_k", "triton")(x)
+    rounded = _quantised_layer("q4_k", "q6_k", "triton", KernelOptions(int8_activations=True))(x)
     assert not torch.equal(exact, rounded)
     assert rel_err(rounded.cpu(), exact.cpu()) <= 2e-2
 

@@ -21,9 +21,10 @@ from moerun.decoder.model import MoEModel, check_model_tensors
 from moerun.families import family
 from moerun.loader import CheckpointError, GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.loader.hf_config import read_hf_config
+from moerun.loader.mapped import MappedFile
 from moerun.moe.backends import resolve_backend
 from moerun.moe.layer import FP32_TENSORS
-from moerun.offload import CacheBudgetError, ExpertCache, ExpertStore, MappedFile
+from moerun.offload import CacheBudgetError, ExpertCache, ExpertStore
 from moerun.offload.budget import KV_RESERVE_TOKENS, auto_budget, free_device_memory
 from moerun.offload.pieces import stand_ins
 from moerun.quant.cache import DequantCache

@@ -7,10 +7,20 @@ import ctypes.util
 import mmap
 import sys
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class MappedFile:
+    """A checkpoint file and the uint8 tensor over its memory map (`map_file`'s)."""
+
+    path: Path
+    data: torch.Tensor
+
 
 # The start address of every live map made by `map_file` (an entry goes when its map is unmapped),
 # so `release_mapped` can tell a view of a file map from other memory.

@@ -15,7 +15,7 @@ import torch
 
 from moerun.activations import GLU, Activation
 from moerun.decoder.placement import place
-from moerun.moe.backends import Backend, get_backend
+from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, Backend, KernelOptions, get_backend
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
 from moerun.moe.routing import (
@@ -94,10 +94,13 @@ class MoELayer:
         dtype: torch.dtype | None = None,
         dequant_cache: DequantCache | None = None,
         stream=None,
+        options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
     ):
         """`stream` (a moerun.offload.LayerStream): the expert projections in `tensors` stay on the
-        host and each step's experts are fetched into the shared expert cache's slots."""
+        host and each step's experts are fetched into the shared expert cache's slots. `options`:
+        how the kernels compute (moerun.moe.backends.KernelOptions)."""
         self.spec = spec
+        self.options = options
         self.name = name
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.tensors = dict(tensors)
@@ -137,6 +140,7 @@ class MoELayer:
         backend: str = "torch",
         dequant_cache: DequantCache | None = None,
         stream=None,
+        options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
     ) -> MoELayer:
         """Check every tensor against the spec (all problems in one error), then build the layer.
 
@@ -161,7 +165,14 @@ class MoELayer:
             target = torch.float32 if key in FP32_TENSORS else dtype
             placed[key] = place(tensor, device, target, own=stream is not None)
         return cls(
-            spec, placed, name=name, backend=backend, dtype=dtype, dequant_cache=dequant_cache, stream=stream
+            spec,
+            placed,
+            name=name,
+            backend=backend,
+            dtype=dtype,
+            dequant_cache=dequant_cache,
+            stream=stream,
+            options=options,
         )
 
     def __call__(
@@ -223,7 +234,7 @@ class MoELayer:
             with trace.stage("plan", x.device):
                 plan = backend.token_plan(ids, weights, self.name)
             with trace.stage("experts", x.device):  # the experts and their ordered sum
-                out = backend.token_forward(x[0], plan, self.experts, spec.activation)[None]  # [1, H] fp32
+                out = backend.token_forward(x[0], plan, self.experts, spec.activation, self.options)[None]
         else:
             with trace.stage("plan", x.device):
                 plan = backend.batch_plan(ids, weights, spec.num_experts)

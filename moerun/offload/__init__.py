@@ -6,7 +6,7 @@ MoE layer's view of the cache for a step."""
 from moerun.offload.cache import CacheBudgetError, CacheCorruptError, ExpertCache, minimum_bytes
 from moerun.offload.policy import POLICIES, LFUPolicy, LRUPolicy
 from moerun.offload.stats import OffloadStats
-from moerun.offload.store import ExpertReadError, ExpertStore, MappedFile
+from moerun.offload.store import ExpertReadError, ExpertStore
 from moerun.offload.stream import LayerStream
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "LFUPolicy",
     "LRUPolicy",
     "LayerStream",
-    "MappedFile",
     "OffloadStats",
     "minimum_bytes",
 ]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from moerun.loader.mapped import MappedFile
 from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces
 from moerun.quant.formats import QFormat, QTensor
 
@@ -48,14 +49,6 @@ PROJECTIONS = ("gate_up", "down")
 
 class ExpertReadError(RuntimeError):
     """An expert's bytes could not be read (I/O error, file truncated or replaced while running)."""
-
-
-@dataclass(frozen=True)
-class MappedFile:
-    """A checkpoint file and the uint8 tensor over its memory map (from `moerun.loader`)."""
-
-    path: Path
-    data: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -170,9 +170,6 @@ _KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "q6_k": _q6_k,
 }
 _compiled: dict[tuple[str, tuple[int, int]], Callable] = {}
-# Whether to prefer the numba kernels where numba is installed; benchmarks set it to False to
-# measure the torch.compile path.
-USE_NUMBA = True
 # Formats whose compiled kernel decoded an OLMoE-shaped layer as fast as numba's or faster (2 cores,
 # same process, alternating): q8_0, q4_0 and mxfp4, whose blocks of 32 inductor's two OpenMP threads
 # read as fast; q6_k, 45-52 tok/s compiled vs 16 with numba. numba wins on q4_k (71-86 vs 55-57),
@@ -191,21 +188,22 @@ def _numba_kernels() -> ModuleType | None:
     return numba_matvec
 
 
-def _numba_for(fmt: QFormat) -> ModuleType | None:
-    if not USE_NUMBA or fmt.name in _COMPILED_FIRST:
+def _numba_for(fmt: QFormat, numba: bool) -> ModuleType | None:
+    if not numba or fmt.name in _COMPILED_FIRST:
         return None
     kernels = _numba_kernels()
     return kernels if kernels is not None and kernels.has_numba_matvec(fmt.name) else None
 
 
-def has_fused_matvec(fmt: QFormat) -> bool:
+def has_fused_matvec(fmt: QFormat, numba: bool = True) -> bool:
     """Whether `fused_matvec` takes CPU tensors of this format."""
-    return fmt.name in _KERNELS or _numba_for(fmt) is not None
+    return fmt.name in _KERNELS or _numba_for(fmt, numba) is not None
 
 
-def fused_matvec(fmt: QFormat, data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """One expert's quantised rows data uint8 [out, row_bytes] times x [in] -> fp32 [out]."""
-    kernels = _numba_for(fmt)
+def fused_matvec(fmt: QFormat, data: torch.Tensor, x: torch.Tensor, numba: bool = True) -> torch.Tensor:
+    """One expert's quantised rows data uint8 [out, row_bytes] times x [in] -> fp32 [out].
+    `numba=False`: the torch.compile'd kernels even where numba's would run (to test or measure them)."""
+    kernels = _numba_for(fmt, numba)
     if kernels is not None and data.device.type == "cpu" and x.device.type == "cpu":
         return kernels.numba_matvec(fmt.name, data, x)
     key = (fmt.name, (data.shape[0], x.shape[0]))

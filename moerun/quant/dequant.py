@@ -28,8 +28,7 @@ CHUNK_ELEMENTS = 1 << 22
 
 # Whole tensors of at least this many blocks, on the CPU, go to the numba kernels
 # (moerun.quant.numba_dequant: the same bits, several times faster) where numba is installed;
-# smaller ones are not worth the threads. Tests set USE_NUMBA = False to check the torch path.
-USE_NUMBA = True
+# smaller ones are not worth the threads.
 NUMBA_MIN_BLOCKS = 64
 
 # MXFP4's E2M1 values doubled, so that they are integers (ggml's `kvalues_mxfp4`); the scale they are
@@ -307,10 +306,13 @@ def _numba_dequant():
     return numba_dequant
 
 
-def dequantize_bytes(fmt: QFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_bytes(
+    fmt: QFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32, numba: bool = True
+) -> torch.Tensor:
     """Rows of `fmt` bytes, uint8 [..., row_bytes], -> their values [..., row_elements] in `dtype`.
 
     Values are computed in float32 and then cast; the result never shares memory with `data`.
+    `numba=False`: the torch functions only (the same bits; the tests' check of the numba kernels).
     Refuses (FormatError) bytes that are not uint8 or rows that are not a whole number of blocks."""
     if data.dtype != torch.uint8 or data.ndim == 0:
         raise FormatError(
@@ -340,7 +342,7 @@ def dequantize_bytes(fmt: QFormat, data: torch.Tensor, dtype: torch.dtype = torc
     dequant_blocks = BLOCK_DEQUANTIZERS[fmt.name]
     blocks = data.reshape(-1, fmt.block_bytes)  # [N, block_bytes]
     if (
-        USE_NUMBA
+        numba
         and blocks.device.type == "cpu"
         and blocks.shape[0] >= NUMBA_MIN_BLOCKS
         and sys.byteorder == "little"

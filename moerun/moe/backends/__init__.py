@@ -1,11 +1,13 @@
 """Backends: modules with the same functions and signatures: `batch_plan`, `expert_rows`,
-`combine` for prefill; `token_plan`, `token_forward` for decode; `shared_expert`. `torch` is the
+`combine` for prefill; `token_plan`, `token_forward` for decode (with the layer's KernelOptions);
+`shared_expert`. `torch` is the
 reference and the CPU path; `triton` is the GPU path (moerun.kernels), which also runs on CPU
 tensors in triton's interpreter (`TRITON_INTERPRET=1`), as the tests run it."""
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -15,6 +17,19 @@ from moerun.settings import settings
 Backend = ModuleType
 
 BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """How a layer's kernels compute, fixed when the layer is made. `int8_activations`: decode
+    quantises each token's activations per block to int8 (q8_1) for integer dot products with the
+    quantised weights, as llama.cpp does (the triton backend; off until measured on a GPU:
+    bench/gpu_kernels.py times both); off: activations stay in the compute dtype."""
+
+    int8_activations: bool = False
+
+
+DEFAULT_KERNEL_OPTIONS = KernelOptions()
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moerun.activations import Activation
+from moerun.moe.backends import KernelOptions
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
 from moerun.moe.plan import BatchedPlan, TokenPlan, build_plan, build_token_plan
@@ -83,8 +84,11 @@ def combine_token(rows: torch.Tensor) -> torch.Tensor:
     return rows.sum(dim=0)
 
 
-def token_forward(x: torch.Tensor, plan: TokenPlan, experts: ExpertWeights, act: Activation) -> torch.Tensor:
-    """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
+def token_forward(
+    x: torch.Tensor, plan: TokenPlan, experts: ExpertWeights, act: Activation, options: KernelOptions
+) -> torch.Tensor:
+    """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order
+    (`options` ask nothing of this backend yet)."""
     return combine_token(token_rows(x, plan, experts, act))
 
 

@@ -25,15 +25,11 @@ from moerun.kernels.configs import device_name, launch_config, plan_block_m
 from moerun.kernels.device_plan import DevicePlan, build_device_plan
 from moerun.kernels.graph import GraphedStep
 from moerun.kernels.weights import FORMAT_NAMES, KernelWeight, kernel_weight
-from moerun.moe.backends import torch_backend
+from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, KernelOptions, torch_backend
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
 
 shared_expert = torch_backend.shared_expert
-# Decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q2_k..q6_k,
-# mxfp4) on q8_1 activations, as llama.cpp's mmvq does. Off until measured on a GPU: bench/gpu_kernels.py
-# times both paths.
-USE_Q8_1 = False
 STREAMS_PREFILL = False  # one grouped GEMM reads every touched expert at once
 
 
@@ -69,7 +65,7 @@ def batch_plan(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> De
 class _Prepared:
     """One layer's experts as the kernels read them, their launch configs and the decode graph."""
 
-    def __init__(self, experts: ExpertWeights, device: torch.device):
+    def __init__(self, experts: ExpertWeights, device: torch.device, options: KernelOptions):
         # no reference to `experts` itself: it is the key of the weak map this object is a value of
         self.biases = (experts.gate_up_bias, experts.down_bias)
         self.stream = experts.stream
@@ -90,7 +86,9 @@ class _Prepared:
             )
         }
         self.graph: GraphedStep | None = None
-        self.use_q8_1 = USE_Q8_1
+        # decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q2_k..q6_k,
+        # mxfp4) on q8_1 activations, as llama.cpp's mmvq does
+        self.use_q8_1 = options.int8_activations
 
     def slots(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """int32 [k]: where each expert's weights are in the tensors the kernels read."""
@@ -128,13 +126,16 @@ def _pool_weight(weight, pool: torch.Tensor) -> KernelWeight:
 _PREPARED: weakref.WeakKeyDictionary[ExpertWeights, _Prepared] = weakref.WeakKeyDictionary()
 
 
-def _prepared(experts: ExpertWeights, device: torch.device) -> _Prepared:
+def _prepared(
+    experts: ExpertWeights, device: torch.device, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+) -> _Prepared:
+    """The layer's kernel state, made on first use (a layer's options never change)."""
     prepared = _PREPARED.get(experts)
     if prepared is None:
         reason = unsupported(experts)
         if reason:
             raise ValueError(f"MoE layer {experts.layer_name!r}: {reason}; use backend='torch'.")
-        prepared = _PREPARED[experts] = _Prepared(experts, device)
+        prepared = _PREPARED[experts] = _Prepared(experts, device, options)
     return prepared
 
 
@@ -163,10 +164,10 @@ def combine(rows: torch.Tensor, plan: DevicePlan, ws: Workspace) -> torch.Tensor
 
 # -------------------------------------------------------------------------------------- decode
 def token_forward(
-    x: torch.Tensor, plan: DeviceTokenPlan, experts: ExpertWeights, act: Activation
+    x: torch.Tensor, plan: DeviceTokenPlan, experts: ExpertWeights, act: Activation, options: KernelOptions
 ) -> torch.Tensor:
     """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
-    p = _prepared(experts, x.device)
+    p = _prepared(experts, x.device, options)
     step = p.decode_graph(x, plan.experts.numel(), act, experts.dtype)
     out = step.run(x=x, slots=p.slots(plan.experts), experts=plan.experts, weights=plan.weights)
     return out.clone()  # the graph's output buffer is rewritten by the next step

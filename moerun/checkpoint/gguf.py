@@ -1,13 +1,11 @@
 """GGUF files -> (ModelConfig, canonical tensors), for the GGUF archs of moerun's families (each family
-file names its arch in `GGUF_ARCH`).
+file states its arch and quirks in `GGUF`, a moerun.families.GGUFFacts).
 
 The metadata becomes a Hugging Face-style config dict that the family's own `model_config` reads, so
 both formats share one mapping. Where GGUF metadata is silent, this module does what llama.cpp does
-for the arch (src/models/<arch>.cpp and the hparams loaders in ggml-org/llama.cpp), so one file means
-one model in both: whether top-k weights are renormalised (the `true`/`false` argument of
-build_moe_ffn), GPT-OSS's clamped SwiGLU (alpha 1.702, limit 7.0, build_moe_ffn's SWIGLU_OAI_MOE),
-its sliding-window layers (every other one from layer 0: set_swa_pattern(2)), and no sliding window
-for the other archs. One deliberate difference: llama.cpp rounds YaRN's correction range to whole
+for the arch, as the family's GGUFFacts state it (whether top-k weights are renormalised, GPT-OSS's
+clamped SwiGLU and sliding-window period, ...), and no sliding window for the other archs. One
+deliberate difference: llama.cpp rounds YaRN's correction range to whole
 dims (ggml_rope_yarn_corr_dims), but GPT-OSS was trained without that rounding (`truncate: false` in
 its config, as in OpenAI's reference code, vLLM and SGLang), so for gpt-oss the range is not rounded.
 
@@ -29,7 +27,7 @@ import torch
 
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.model import check_model_tensors
-from moerun.families import FAMILIES, family
+from moerun.families import FAMILIES, GGUFFacts, family
 from moerun.loader import CheckpointError, GGUFFile
 from moerun.moe.layer import StateDictError
 from moerun.offload.pieces import ExpertPieces, Piece, stand_ins
@@ -37,11 +35,6 @@ from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
 
 Tensor = torch.Tensor | QTensor
-
-# llama.cpp's build_moe_ffn(..., norm_w, ...) per arch: whether the k routing weights are renormalised.
-RENORMALIZE_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
-GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}  # llama.cpp's SWIGLU_OAI_MOE constants
-GPT_OSS_SWA_PERIOD = 2  # default of `gpt-oss.attention.sliding_window_pattern`
 
 _TOP = {
     "token_embd.weight": "embed.weight",
@@ -69,11 +62,6 @@ _LAYER = {  # name inside blk.{i} -> canonical name inside layers.{i}
     "ffn_gate_inp_shexp.weight": "moe.shared.gate",
     "ffn_down.weight": "mlp.down",
 }
-# gpt-oss names the MLP's pre-norm post_attention_norm (its ATTN_POST_NORM), and has no ffn_norm
-_GPT_OSS_LAYER = {
-    **{k: v for k, v in _LAYER.items() if k != "ffn_norm.weight"},
-    "post_attention_norm.weight": "mlp_norm.weight",
-}
 _GATE_UP = {  # canonical name -> (gate part, up part), stored apart in GGUF
     "moe.experts.gate_up": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
     "moe.experts.gate_up_bias": ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
@@ -89,14 +77,25 @@ _PER_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # llama.cpp's la
 
 def gguf_archs() -> dict[str, str]:
     """GGUF `general.architecture` -> moerun family (model_type)."""
-    return {arch: name for name in FAMILIES if (arch := getattr(family(name), "GGUF_ARCH", None))}
+    return {facts.arch: name for name in FAMILIES if (facts := getattr(family(name), "GGUF", None))}
+
+
+def gguf_facts(arch: str) -> GGUFFacts:
+    """The GGUFFacts of the family whose files have this `general.architecture`."""
+    return family(gguf_archs()[arch]).GGUF
 
 
 def gguf_name_tables(arch: str) -> tuple[dict[str, str], dict[str, str], dict[str, tuple[str, str]]]:
     """The name tables this reader maps by, for writers (moerun.export): GGUF top-level name ->
     canonical name, name inside blk.{i} -> canonical name inside layers.{i} (for `arch`), and canonical
     gate/up name -> its (gate, up) GGUF parts. Copies; the reader's own stay as they are."""
-    return dict(_TOP), dict(_GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER), dict(_GATE_UP)
+    return dict(_TOP), _layer_names(gguf_facts(arch)), dict(_GATE_UP)
+
+
+def _layer_names(facts: GGUFFacts) -> dict[str, str]:
+    """Name inside blk.{i} -> canonical name, with the arch's own names replacing the usual ones."""
+    replaced = set(facts.layer_names.values())
+    return {k: v for k, v in _LAYER.items() if v not in replaced} | facts.layer_names
 
 
 def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
@@ -107,7 +106,7 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         raise CheckpointError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported; moerun reads {sorted(archs)}."
         )
-    config = _hf_config(gguf, arch, archs[arch])
+    config = _hf_config(gguf, arch, archs[arch], family(archs[arch]).GGUF)
     model_config = family(archs[arch]).model_config(config)
     return dataclasses.replace(
         model_config, moe_layers=tuple(config["moe_layers"]), dense_intermediate=config["dense_intermediate"]
@@ -129,7 +128,7 @@ def gguf_model(gguf: GGUFFile, assemble: bool = True) -> tuple[ModelConfig, dict
     return model_config, tensors
 
 
-def _hf_config(gguf: GGUFFile, arch: str, model_type: str) -> dict:
+def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> dict:
     """The GGUF metadata as the config.json keys the family's `model_config` reads."""
     md, names = gguf.metadata, set(gguf.tensor_names())
 
@@ -156,7 +155,7 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str) -> dict:
         for i in range(n)
         if f"blk.{i}.ffn_gate_inp.weight" not in names and f"blk.{i}.ffn_up.weight" in names
     ]
-    expert_ff = ff if arch in ("llama", "olmoe") else get("expert_feed_forward_length", ff)  # as llama.cpp
+    expert_ff = get(facts.experts_width_key, ff)  # as llama.cpp
     bias = "blk.0.attn_q.bias" in names  # llama.cpp loads attention biases when the file has them
     eos = [md[k] for k in _EOS_KEYS if k in md]
     config = {
@@ -169,40 +168,39 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str) -> dict:
         "head_dim": head_dim,
         "max_position_embeddings": get("context_length"),
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
-        # mixtral, olmoe and gpt_oss read their experts' size from intermediate_size
-        "intermediate_size": expert_ff if arch in ("llama", "olmoe", "gpt-oss") else ff,
+        "intermediate_size": expert_ff if facts.hf_experts_width_key == "intermediate_size" else ff,
         "moe_intermediate_size": expert_ff,
         "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", ff),
         "num_experts": experts,
         "num_local_experts": experts,
         "num_experts_per_tok": get("expert_used_count"),
-        "norm_topk_prob": RENORMALIZE_TOP_K.get(arch, False),
-        "rope_parameters": _rope(gguf, arch, get),
+        "norm_topk_prob": facts.renormalize_top_k,
+        "rope_parameters": _rope(gguf, arch, get, facts),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": sorted(set(eos), key=eos.index),
         "qkv_bias": bias,
         "attention_bias": bias,
-        "clip_qkv": (get("attention.clamp_kqv", 0.0) or None) if arch == "olmoe" else None,
+        "clip_qkv": (get("attention.clamp_kqv", 0.0) or None) if facts.clamp_kqv else None,
         "use_sliding_window": False,
         "sliding_window": None,
         "mlp_only_layers": dense,
         "moe_layers": [i not in dense for i in range(n)],
         "dense_intermediate": ff,
     }
-    if arch == "gpt-oss":
-        pattern = md.get(f"{arch}.attention.sliding_window_pattern", GPT_OSS_SWA_PERIOD)
+    if facts.swa_period is not None:
+        pattern = md.get(f"{arch}.attention.sliding_window_pattern", facts.swa_period)
         if isinstance(pattern, int):  # llama.cpp's set_swa_pattern(period)
             sliding = [i % pattern < pattern - 1 for i in range(n)]
         else:  # one flag per layer
             sliding = [bool(s) for s in pattern]
         config["sliding_window"] = get("attention.sliding_window")
         config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
-        config.update(GPT_OSS_SWIGLU)
+    config.update(facts.swiglu)
     return config
 
 
-def _rope(gguf: GGUFFile, arch: str, get) -> dict:
+def _rope(gguf: GGUFFile, arch: str, get, facts: GGUFFacts) -> dict:
     kind = get("rope.scaling.type", "none")
     if kind not in _ROPE_TYPES:
         raise CheckpointError(
@@ -218,7 +216,7 @@ def _rope(gguf: GGUFFile, arch: str, get) -> dict:
         )
         rope["beta_fast"] = float(get("rope.scaling.yarn_beta_fast", 32.0))
         rope["beta_slow"] = float(get("rope.scaling.yarn_beta_slow", 1.0))
-        rope["truncate"] = arch != "gpt-oss"  # see the module docstring
+        rope["truncate"] = facts.yarn_truncate  # see the module docstring
     return rope
 
 
@@ -236,7 +234,8 @@ def _single(value, key: str, gguf: GGUFFile):
 def _canonical_tensors(
     gguf: GGUFFile, arch: str, config: ModelConfig, assemble: bool = True
 ) -> dict[str, Tensor | ExpertPieces]:
-    layer_names = _GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER
+    facts = gguf_facts(arch)
+    layer_names = _layer_names(facts)
     tensors: dict[str, Tensor | ExpertPieces] = {}
     blocks: dict[int, dict[str, str]] = {}  # layer -> name inside the block -> file name
     per_expert: dict[int, dict[str, dict[int, str]]] = {}  # old layout: layer -> proj -> expert -> name
@@ -254,13 +253,13 @@ def _canonical_tensors(
         prefix = f"layers.{layer}."
         for canonical, (gate, up) in _GATE_UP.items():
             if gate in block and up in block:
-                interleave = arch == "gpt-oss" and canonical.startswith("moe.experts")
+                interleave = facts.interleaved_gate_up and canonical.startswith("moe.experts")
                 parts = [block.pop(gate), block.pop(up)]
                 describe = not assemble and canonical == "moe.experts.gate_up"
                 fuse = _described if describe else _fuse
                 tensors[prefix + canonical] = fuse(gguf, parts, expert="exps" in gate, interleave=interleave)
         for dim, rel in ((-2, "ffn_gate_up_exps.weight"), (-1, "ffn_gate_up_exps.bias")):
-            if arch == "gpt-oss" and rel in block:  # stored fused as gate rows then up rows
+            if facts.interleaved_gate_up and rel in block:  # stored fused as gate rows then up rows
                 t = gguf.tensor(block.pop(rel))
                 if assemble or dim == -1:
                     tensors[prefix + layer_names[rel]] = _interleave_halves(t, dim)
@@ -274,7 +273,7 @@ def _canonical_tensors(
         shared_gate = tensors.get(prefix + "moe.shared.gate")
         if isinstance(shared_gate, torch.Tensor) and shared_gate.dim() == 1:
             tensors[prefix + "moe.shared.gate"] = shared_gate[None]  # llama.cpp stores it [H]
-        if arch == "llama":
+        if facts.permuted_qk:
             attention = config.attention
             for proj, heads in (("q", attention.heads), ("k", attention.kv_heads)):
                 for kind in ("weight", "bias"):
@@ -452,5 +451,5 @@ def _gguf_names(canonical: str, arch: str) -> str:
     layer, rel = m.groups()
     if rel in _GATE_UP:
         return " + ".join(f"blk.{layer}.{part}" for part in _GATE_UP[rel])
-    table = _GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER
+    table = _layer_names(gguf_facts(arch))
     return next((f"blk.{layer}.{g}" for g, c in table.items() if c == rel), canonical)

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moerun.checkpoint.gguf import gguf_model_config, gguf_name_tables
+from moerun.checkpoint.gguf import gguf_facts, gguf_model_config, gguf_name_tables
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.checkpoint.load import hf_model_config
 from moerun.decoder.config import ModelConfig
@@ -78,9 +78,10 @@ def quantize_checkpoint(
             f"{root}: quantize reads a Hugging Face checkpoint directory (config.json, safetensors)."
         )
     model_type = read_hf_config(root)["model_type"]
-    arch = getattr(family(model_type), "GGUF_ARCH", None) if model_type in FAMILIES else None
+    facts = getattr(family(model_type), "GGUF", None) if model_type in FAMILIES else None
+    arch = facts.arch if facts else None
     if arch is None:
-        writable = [name for name in FAMILIES if hasattr(family(name), "GGUF_ARCH")]
+        writable = [name for name in FAMILIES if hasattr(family(name), "GGUF")]
         raise ExportError(
             f"{root}: moerun cannot write {model_type} models as GGUF; it writes {', '.join(writable)}."
         )
@@ -173,9 +174,11 @@ def model_metadata(config: ModelConfig, arch: str, name: str, spec: QuantizeSpec
     """The `general.*` and `{arch}.*` keys llama.cpp reads for this model (convert_hf_to_gguf.py's
     TextModel.set_gguf_parameters and each model class's additions)."""
     attention, moe, rope = config.attention, config.moe, config.attention.rope
+    facts = gguf_facts(arch)
     expert_ff = moe.intermediate
-    # llama and olmoe read the experts' size from feed_forward_length; the Qwen archs their dense MLPs'
-    dense_ff = (config.dense_intermediate or expert_ff) if arch.startswith("qwen") else expert_ff
+    # llama and olmoe read the experts' size from feed_forward_length; the others their dense MLPs'
+    shared_width = facts.experts_width_key == "feed_forward_length"
+    dense_ff = expert_ff if shared_width else (config.dense_intermediate or expert_ff)
     keys: dict[str, object] = {
         "block_count": config.num_layers,
         "context_length": config.max_positions,
@@ -199,16 +202,16 @@ def model_metadata(config: ModelConfig, arch: str, name: str, spec: QuantizeSpec
         keys["rope.scaling.original_context_length"] = rope.original_max_positions or config.max_positions
         keys["rope.scaling.yarn_beta_fast"] = float(rope.beta_fast)
         keys["rope.scaling.yarn_beta_slow"] = float(rope.beta_slow)
-    if arch == "llama":
+    if facts.explicit_vocab_and_rope_dims:
         keys["vocab_size"] = config.vocab_size
         keys["rope.dimension_count"] = attention.head_dim
-    if arch in ("qwen2moe", "qwen3moe", "gpt-oss"):
-        keys["expert_feed_forward_length"] = expert_ff
-    if arch == "qwen2moe":
+    if not shared_width:
+        keys[facts.experts_width_key] = expert_ff
+    if facts.shared_expert:
         keys["expert_shared_feed_forward_length"] = moe.shared_intermediate
-    if arch == "olmoe" and attention.clip_qkv is not None:
+    if facts.clamp_kqv and attention.clip_qkv is not None:
         keys["attention.clamp_kqv"] = float(attention.clip_qkv)  # moerun's addition; the converter drops it
-    if arch == "gpt-oss":
+    if facts.swa_period is not None:
         keys["attention.sliding_window"] = next((w for w in config.sliding_windows if w), 0)
     return {
         "general.architecture": arch,
@@ -292,7 +295,7 @@ def gguf_layout(arch: str, canonical: str, tensor: Tensor, config: ModelConfig) 
         raise ExportError(f"{canonical}: no GGUF name for this tensor.")
     prefix, rel = f"blk.{m.group(1)}.", m.group(2)
     if rel in gate_up:
-        interleaved = arch == "gpt-oss" and rel.startswith("moe.experts")
+        interleaved = gguf_facts(arch).interleaved_gate_up and rel.startswith("moe.experts")
         dim = -1 if rel.endswith("_bias") else -2
         parts = _split_gate_up(tensor, dim, interleaved)
         return [(prefix + name, part) for name, part in zip(gate_up[rel], parts, strict=True)]
@@ -301,7 +304,7 @@ def gguf_layout(arch: str, canonical: str, tensor: Tensor, config: ModelConfig) 
         raise ExportError(f"{canonical}: no GGUF name for this tensor in a {arch} file.")
     if rel == "moe.shared.gate":
         tensor = tensor.reshape(-1)  # llama.cpp's shape: [H]
-    if arch == "llama" and rel.startswith(("attn.q.", "attn.k.")):
+    if gguf_facts(arch).permuted_qk and rel.startswith(("attn.q.", "attn.k.")):
         attention = config.attention
         tensor = llama_permute(tensor, attention.heads if rel.startswith("attn.q.") else attention.kv_heads)
     return [(prefix + names[rel], tensor)]

@@ -8,6 +8,7 @@ parts are concatenated along the output dimension; names in `TRANSPOSED` are sto
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
 from types import ModuleType
 
 FAMILIES = (
@@ -21,6 +22,32 @@ FAMILIES = (
     "phimoe",
     "granitemoe",
 )
+
+
+@dataclass(frozen=True)
+class GGUFFacts:
+    """A family's GGUF files: their `general.architecture`, and what llama.cpp's loader for that arch
+    assumes where the metadata is silent (src/models/<arch>.cpp and its hparams loader), so one file
+    means one model in llama.cpp and here. Read by moerun.checkpoint.gguf and moerun.export."""
+
+    arch: str
+    renormalize_top_k: bool = False  # build_moe_ffn's norm_w: the k routing weights renormalised
+    # the metadata key of the experts' width ("feed_forward_length": llama and olmoe share it with
+    # the dense MLP); and the HF config key the family reads it from
+    experts_width_key: str = "expert_feed_forward_length"
+    hf_experts_width_key: str = "moe_intermediate_size"
+    shared_expert: bool = False  # writes expert_shared_feed_forward_length
+    permuted_qk: bool = False  # q and k rows permuted for ggml's interleaved RoPE (LlamaModel.permute)
+    explicit_vocab_and_rope_dims: bool = False  # vocab_size and rope.dimension_count keys written
+    clamp_kqv: bool = False  # attention.clamp_kqv read as the HF clip_qkv
+    # gpt-oss: the MLP's pre-norm named post_attention_norm; expert gate/up rows interleaved (gate,
+    # up, gate, ...) and possibly stored fused; clamped SwiGLU constants; sliding-window period; YaRN
+    # trained without rounding its correction range
+    layer_names: dict[str, str] = field(default_factory=dict)  # replaces: blk name -> canonical
+    interleaved_gate_up: bool = False
+    swiglu: dict[str, float] = field(default_factory=dict)
+    swa_period: int | None = None
+    yarn_truncate: bool = True
 
 
 def family(model_type: str) -> ModuleType:

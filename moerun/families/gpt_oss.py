@@ -3,12 +3,21 @@ columns with biases on both projections. transformers stores the expert weights 
 
 from moerun.activations import GptOssSwiGLU
 from moerun.decoder.config import ModelConfig
-from moerun.families import decoder_config
+from moerun.families import GGUFFacts, decoder_config
 from moerun.families.moe_block import first
 from moerun.moe.layer import MoESpec
 from moerun.moe.routing import TopKSoftmax
 
-GGUF_ARCH = "gpt-oss"  # general.architecture of its GGUF files (moerun.checkpoint.gguf)
+# its GGUF files (moerun.checkpoint.gguf, moerun.export)
+GGUF = GGUFFacts(
+    "gpt-oss",
+    hf_experts_width_key="intermediate_size",
+    layer_names={"post_attention_norm.weight": "mlp_norm.weight"},  # its ATTN_POST_NORM; no ffn_norm
+    interleaved_gate_up=True,
+    swiglu={"swiglu_alpha": 1.702, "swiglu_limit": 7.0},  # llama.cpp's SWIGLU_OAI_MOE constants
+    swa_period=2,  # default of `gpt-oss.attention.sliding_window_pattern`: set_swa_pattern(2)
+    yarn_truncate=False,
+)
 MOE_NAMES = {
     "router.weight": "router.weight",
     "router.bias": "router.bias",

@@ -1,12 +1,20 @@
 """Mixtral: softmax -> top-k, always renormalised; SiLU-GLU experts; no shared expert."""
 
 from moerun.decoder.config import ModelConfig
-from moerun.families import decoder_config
+from moerun.families import GGUFFacts, decoder_config
 from moerun.families.moe_block import first, fused_expert_names, hf_glu
 from moerun.moe.layer import MoESpec
 from moerun.moe.routing import SoftmaxTopK
 
-GGUF_ARCH = "llama"  # general.architecture of its GGUF files (moerun.checkpoint.gguf)
+# its GGUF files (moerun.checkpoint.gguf, moerun.export)
+GGUF = GGUFFacts(
+    "llama",
+    renormalize_top_k=True,
+    experts_width_key="feed_forward_length",
+    hf_experts_width_key="intermediate_size",
+    permuted_qk=True,
+    explicit_vocab_and_rope_dims=True,
+)
 MOE_NAMES = fused_expert_names(router="gate")
 
 

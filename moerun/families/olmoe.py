@@ -2,11 +2,17 @@
 `intermediate_size`."""
 
 from moerun.decoder.config import ModelConfig
-from moerun.families import decoder_config
+from moerun.families import GGUFFacts, decoder_config
 from moerun.families.moe_block import first, fused_expert_names, hf_glu, norm_topk_routing
 from moerun.moe.layer import MoESpec
 
-GGUF_ARCH = "olmoe"  # general.architecture of its GGUF files (moerun.checkpoint.gguf)
+# its GGUF files (moerun.checkpoint.gguf, moerun.export)
+GGUF = GGUFFacts(
+    "olmoe",
+    experts_width_key="feed_forward_length",
+    hf_experts_width_key="intermediate_size",
+    clamp_kqv=True,
+)
 MOE_NAMES = fused_expert_names(router="gate")
 
 

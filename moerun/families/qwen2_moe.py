@@ -1,11 +1,12 @@
 """Qwen2-MoE: Qwen routing plus a shared expert scaled by sigmoid(x · shared_expert_gate)."""
 
 from moerun.decoder.config import ModelConfig
-from moerun.families import decoder_config
+from moerun.families import GGUFFacts, decoder_config
 from moerun.families.moe_block import first, fused_expert_names, hf_glu, norm_topk_routing, shared_mlp_names
 from moerun.moe.layer import MoESpec
 
-GGUF_ARCH = "qwen2moe"  # general.architecture of its GGUF files (moerun.checkpoint.gguf)
+# its GGUF files (moerun.checkpoint.gguf, moerun.export)
+GGUF = GGUFFacts("qwen2moe", shared_expert=True)
 MOE_NAMES = {
     **fused_expert_names(router="gate"),
     **shared_mlp_names("shared_expert"),

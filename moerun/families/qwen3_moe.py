@@ -1,11 +1,12 @@
 """Qwen3-MoE: softmax -> top-k, renormalised when `norm_topk_prob`; SiLU-GLU experts."""
 
 from moerun.decoder.config import ModelConfig
-from moerun.families import decoder_config
+from moerun.families import GGUFFacts, decoder_config
 from moerun.families.moe_block import first, fused_expert_names, hf_glu, norm_topk_routing
 from moerun.moe.layer import MoESpec
 
-GGUF_ARCH = "qwen3moe"  # general.architecture of its GGUF files (moerun.checkpoint.gguf)
+# its GGUF files (moerun.checkpoint.gguf, moerun.export)
+GGUF = GGUFFacts("qwen3moe", renormalize_top_k=True)
 MOE_NAMES = fused_expert_names(router="gate")
 
 

@@ -11,7 +11,9 @@ file per GPU model (`torch.cuda.get_device_name()` with every run of non-alphanu
     "<kernel>"                    anything else
 
 The most specific key found wins, in the GPU's file first and then in default.json; a GPU file only
-needs the entries that differ. `default.json` must hold a "<kernel>" entry for every kernel.
+needs the entries that differ. `default.json` must hold a "<kernel>" entry for every kernel, and is
+the one source of the defaults the kernels' launchers start from (`default_config`), including the
+launches not tuned per shape (the combine, the activation, the row sum, q8_1 quantisation).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).with_name("launch_configs")
-KERNELS = ("prefill_gate_up", "prefill_down", "decode_gate_up", "decode_down")
+KERNELS = ("prefill_gate_up", "prefill_down", "decode_gate_up", "decode_down")  # tuned per shape
+# launches with one config whatever the weights (default.json only)
+UNTUNED = ("prefill_combine", "decode_activate", "decode_sum", "decode_gemv_q8_1", "decode_quantize_q8_1")
+LAUNCHES = KERNELS + UNTUNED
 
 
 def gpu_file_name(device_name: str) -> str:
@@ -61,6 +66,15 @@ def launch_config(
             if key in table:
                 return dict(table[key])
     raise ValueError(f"{config_dir / 'default.json'} has no entry for kernel {kernel!r}.")
+
+
+def default_config(launch: str, config_dir: Path = CONFIG_DIR) -> dict:
+    """default.json's entry for `launch` (a kernel of KERNELS or an untuned launch such as
+    "decode_sum"): the values a launcher takes for the keys its caller does not give."""
+    table = _read(config_dir / "default.json")
+    if launch not in LAUNCHES or launch not in table:
+        raise ValueError(f"{config_dir / 'default.json'} has no entry for {launch!r}.")
+    return dict(table[launch])
 
 
 def plan_block_m(gpu: str | None, config_dir: Path = CONFIG_DIR) -> int:

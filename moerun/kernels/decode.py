@@ -24,6 +24,7 @@ import triton.language as tl
 
 from moerun.activations import Activation
 from moerun.kernels.activation import activate, activation_args
+from moerun.kernels.configs import default_config
 from moerun.kernels.decode_q8_1 import (
     GEMV_Q8_1_CONFIG,
     Q8_1_GROUP_BYTES,
@@ -43,9 +44,9 @@ from moerun.kernels.weights import FORMAT_NAMES, KernelWeight, load_weight_tile
 from moerun.quant.formats import get_format
 from moerun.quant.q8_1 import Q8_1, quantize_q8_1
 
-GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
-ACTIVATION_CONFIG = {"BLOCK_I": 128, "num_warps": 4}  # BLOCK_I: a multiple of 32
-SUM_CONFIG = {"BLOCK_H": 256, "num_warps": 4}
+GEMV_CONFIG = default_config("decode_gate_up")
+ACTIVATION_CONFIG = default_config("decode_activate")  # BLOCK_I: a multiple of 32
+SUM_CONFIG = default_config("decode_sum")
 DECODE_CONFIG = {
     "gate_up": GEMV_CONFIG,
     "activate": ACTIVATION_CONFIG,

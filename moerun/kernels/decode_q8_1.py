@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moerun.kernels.configs import default_config
 from moerun.kernels.weights import (
     FORMAT_CODES,
     FORMAT_NAMES,
@@ -39,8 +40,8 @@ Q8_1_GROUP_BYTES |= {FORMAT_CODES["q4_k"]: 144, FORMAT_CODES["q5_k"]: 176, FORMA
 Q8_1_GROUP_BYTES |= {FORMAT_CODES["q2_k"]: 84, FORMAT_CODES["q3_k"]: 110}
 QK = 32  # elements per q8_1 block
 
-GEMV_Q8_1_CONFIG = {"BLOCK_N": 16, "num_warps": 4}
-QUANTIZE_CONFIG = {"BLOCK_I": 128, "num_warps": 4}  # BLOCK_I: a multiple of 32
+GEMV_Q8_1_CONFIG = default_config("decode_gemv_q8_1")
+QUANTIZE_CONFIG = default_config("decode_quantize_q8_1")  # BLOCK_I: a multiple of 32
 
 
 def merge_config(default: Mapping[str, int], config: Mapping[str, int] | None) -> dict:

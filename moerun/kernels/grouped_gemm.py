@@ -24,18 +24,13 @@ import triton.language as tl
 
 from moerun.activations import Activation
 from moerun.kernels.activation import activate, activation_args
+from moerun.kernels.configs import default_config
 from moerun.kernels.device_plan import DevicePlan
 from moerun.kernels.weights import KernelWeight, load_weight_tile
 
-DEFAULT_CONFIG = {
-    "BLOCK_M": 64,  # rows per block: the plan's block_m
-    "BLOCK_N": 64,  # output columns per program
-    "BLOCK_K": 64,  # reduction step
-    "num_warps": 4,
-    "num_stages": 3,
-    "BLOCK_T": 16,  # combine: tokens per program
-    "BLOCK_H": 128,  # combine: columns per program
-}
+# BLOCK_M: rows per block (the plan's block_m); BLOCK_N: output columns per program; BLOCK_K: the
+# reduction step; the combine's BLOCK_T tokens and BLOCK_H columns per program
+DEFAULT_CONFIG = default_config("prefill_gate_up") | default_config("prefill_combine")
 
 
 def _config(plan: DevicePlan, config: dict | None) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -68,6 +69,18 @@ _GATE_UP = {  # canonical name -> (gate part, up part), stored apart in GGUF
     "moe.shared.gate_up": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
     "mlp.gate_up": ("ffn_gate.weight", "ffn_up.weight"),
 }
+
+
+@dataclass(frozen=True)
+class _GateUp:
+    """One gate/up pair of a block, stored apart: its two GGUF names, whether they are routed
+    experts (which must share a format to be fused), and whether their rows interleave when joined."""
+
+    names: tuple[str, str]
+    expert: bool
+    interleave: bool
+
+
 _REQUIRED = object()
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
@@ -248,16 +261,23 @@ def _canonical_tensors(
         else:
             tensors[_TOP.get(name, name)] = gguf.tensor(name)
     for layer, by_projection in per_expert.items():
-        tensors.update(_per_expert_tensors(gguf, f"layers.{layer}.", by_projection, assemble))
+        gate, up, down = _per_expert_parts(gguf, f"blk.{layer}.", by_projection)
+        joined = (
+            _stacked_experts(gguf, gate, up, down, by_projection)
+            if assemble
+            else _described_experts(gate, up, down)
+        )
+        tensors.update({f"layers.{layer}.moe.experts.{k}": v for k, v in joined.items()})
     for layer, block in sorted(blocks.items()):
         prefix = f"layers.{layer}."
         for canonical, (gate, up) in _GATE_UP.items():
             if gate in block and up in block:
                 interleave = facts.interleaved_gate_up and canonical.startswith("moe.experts")
-                parts = [block.pop(gate), block.pop(up)]
+                parts = _GateUp(
+                    (block.pop(gate), block.pop(up)), expert="exps" in gate, interleave=interleave
+                )
                 describe = not assemble and canonical == "moe.experts.gate_up"
-                fuse = _described if describe else _fuse
-                tensors[prefix + canonical] = fuse(gguf, parts, expert="exps" in gate, interleave=interleave)
+                tensors[prefix + canonical] = (_described if describe else _fuse)(gguf, parts)
         for dim, rel in ((-2, "ffn_gate_up_exps.weight"), (-1, "ffn_gate_up_exps.bias")):
             if facts.interleaved_gate_up and rel in block:  # stored fused as gate rows then up rows
                 t = gguf.tensor(block.pop(rel))
@@ -283,13 +303,12 @@ def _canonical_tensors(
     return tensors
 
 
-def _per_expert_tensors(
-    gguf: GGUFFile, prefix: str, by_projection: dict[str, dict[int, str]], assemble: bool
-) -> dict[str, Tensor | ExpertPieces]:
+def _per_expert_parts(
+    gguf: GGUFFile, block: str, by_projection: dict[str, dict[int, str]]
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """The old layout (blk.N.ffn_{gate,up,down}.E.weight, one tensor per expert, as llama.cpp wrote
-    Mixtral before merged expert tensors) -> experts.gate_up [E, 2I, H] and experts.down [E, H, I]:
-    stacked in RAM, or (not `assemble`) described over the per-expert views for streaming."""
-    block = prefix.replace("layers.", "blk.")
+    Mixtral before merged expert tensors): each projection's experts, checked to be complete and
+    alike; `_stacked_experts` or `_described_experts` makes the canonical projections of them."""
     count = max(len(names) for names in by_projection.values())
     parts: dict[str, list[Tensor]] = {}
     for proj in ("gate", "up", "down"):
@@ -306,22 +325,27 @@ def _per_expert_tensors(
                 f"{gguf.path}: the per-expert tensors {block}ffn_{proj}.E.weight differ in shape or type "
                 "between experts (or from ffn_gate's); moerun stacks them into one tensor."
             )
-    gate, up, down = parts["gate"], parts["up"], parts["down"]
+    return parts["gate"], parts["up"], parts["down"]
+
+
+def _described_experts(gate: list[Tensor], up: list[Tensor], down: list[Tensor]) -> dict[str, ExpertPieces]:
+    """Per-expert tensors -> gate_up [E, 2I, H] and down [E, H, I] described over their views, for
+    streaming (nothing is read)."""
     rows = gate[0].shape[0]
-    if not assemble:
-        return {
-            prefix + "moe.experts.gate_up": _pieces_of(
-                gate, (Piece([_data(t) for t in gate]), Piece([_data(t) for t in up], row=rows)), 2 * rows
-            ),
-            prefix + "moe.experts.down": _pieces_of(
-                down, (Piece([_data(t) for t in down]),), down[0].shape[0]
-            ),
-        }
-    out = {
-        prefix + "moe.experts.gate_up": _stack(gate + up, len(gate)),
-        prefix + "moe.experts.down": _stack(down, len(down)),
+    gate_up = (Piece([_data(t) for t in gate]), Piece([_data(t) for t in up], row=rows))
+    return {
+        "gate_up": _pieces_of(gate, gate_up, 2 * rows),
+        "down": _pieces_of(down, (Piece([_data(t) for t in down]),), down[0].shape[0]),
     }
-    for names in by_projection.values():  # copied out: give back the mapped pages
+
+
+def _stacked_experts(
+    gguf: GGUFFile, gate: list[Tensor], up: list[Tensor], down: list[Tensor], by_projection: dict
+) -> dict[str, Tensor]:
+    """Per-expert tensors -> gate_up [E, 2I, H] and down [E, H, I] stacked in RAM; the mapped pages
+    they were copied from are given back."""
+    out = {"gate_up": _stack(gate + up, len(gate)), "down": _stack(down, len(down))}
+    for names in by_projection.values():
         for name in names.values():
             gguf.release(name)
     return out
@@ -348,10 +372,10 @@ def _stack(parts: list[Tensor], num_experts: int) -> Tensor:
     return torch.cat([torch.stack(half) for half in halves], dim=1)
 
 
-def _described(gguf: GGUFFile, names: list[str], expert: bool, interleave: bool) -> ExpertPieces:
+def _described(gguf: GGUFFile, parts: _GateUp) -> ExpertPieces:
     """What `_fuse` would build for gate and up experts, described over views of the file."""
-    gate, up = _gate_and_up(gguf, names, expert)
-    return _gate_up_pieces(gate, up, interleave)
+    gate, up = _gate_and_up(gguf, parts)
+    return _gate_up_pieces(gate, up, parts.interleave)
 
 
 def _gate_up_pieces(gate: Tensor, up: Tensor, interleave: bool) -> ExpertPieces:
@@ -381,8 +405,9 @@ def _rows(t: Tensor, begin: int, end: int) -> Tensor:
     return t[..., begin:end, :]
 
 
-def _gate_and_up(gguf: GGUFFile, names: list[str], expert: bool) -> tuple[Tensor, Tensor]:
+def _gate_and_up(gguf: GGUFFile, parts: _GateUp) -> tuple[Tensor, Tensor]:
     """The gate and up tensors, checked to have the same shape and, for experts, the same format."""
+    names = parts.names
     gate, up = (gguf.tensor(n) for n in names)
     if tuple(gate.shape) != tuple(up.shape):
         raise CheckpointError(
@@ -391,7 +416,7 @@ def _gate_and_up(gguf: GGUFFile, names: list[str], expert: bool) -> tuple[Tensor
         )
     quantised = isinstance(gate, QTensor) or isinstance(up, QTensor)
     if quantised and not (isinstance(gate, QTensor) and isinstance(up, QTensor) and gate.format == up.format):
-        if expert:
+        if parts.expert:
             kinds = [gguf.info(n).type_name for n in names]
             raise CheckpointError(
                 f"{gguf.path}: {names[0]} is {kinds[0]} but {names[1]} is {kinds[1]}; moerun fuses gate and "
@@ -401,11 +426,12 @@ def _gate_and_up(gguf: GGUFFile, names: list[str], expert: bool) -> tuple[Tensor
     return gate, up
 
 
-def _fuse(gguf: GGUFFile, names: list[str], expert: bool, interleave: bool) -> Tensor:
+def _fuse(gguf: GGUFFile, parts: _GateUp) -> Tensor:
     """gate [.., I, in] and up [.., I, in] (or biases [.., I]) -> [.., 2I, in]: gate rows then up rows,
     or (interleave) gate row j at 2j and up row j at 2j + 1. Quantised parts stay quantised when they
     share a format; expert parts must, the small dense MLPs are dequantised."""
-    gate, up = _gate_and_up(gguf, names, expert)
+    names, interleave = parts.names, parts.interleave
+    gate, up = _gate_and_up(gguf, parts)
     if isinstance(gate, QTensor):
         data = _join(gate.data, up.data, dim=-2, interleave=interleave)
         fused = QTensor(gate.format, (*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1]), data)

@@ -7,7 +7,7 @@ import torch
 from hf_models import make_model, save_model
 
 import moerun
-from moerun.decoder.placement import ALIGNMENT, is_aligned, place
+from moerun.placement import ALIGNMENT, is_aligned, place
 from moerun.quant.formats import QTensor
 
 

@@ -16,12 +16,12 @@ from moerun.decoder.attention import Attention, KVCache
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.linear import linear
 from moerun.decoder.norm import rms_norm
-from moerun.decoder.placement import place
 from moerun.decoder.rope import Rotary
 from moerun.generate import Generator, Token
 from moerun.moe.layer import MoELayer, StateDictError, tensor_problems
 from moerun.moe.routing import RouterCheck, raise_on_bad_router_logits, router_logits
 from moerun.offload import ExpertCache, LayerStream
+from moerun.placement import place
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor

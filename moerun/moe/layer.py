@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from moerun.activations import GLU, Activation
-from moerun.decoder.placement import place
 from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, Backend, KernelOptions, get_backend
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
@@ -28,6 +27,7 @@ from moerun.moe.routing import (
     router_logits,
 )
 from moerun.moe.trace import layer_trace
+from moerun.placement import place
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor

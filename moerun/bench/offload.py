@@ -23,6 +23,7 @@ import struct
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -232,104 +233,82 @@ def run_offload_bench(
             )
 
 
+@dataclass
+class _Run:
+    """What every phase of the offload benchmark shares: the checkpoint, its shapes, the tokens."""
+
+    root: Path
+    torch_dtype: torch.dtype
+    k: int
+    prompt: list[int]
+    tokens: list[int]
+    warmup_steps: int
+    decode_steps: int
+
+    @property
+    def path(self) -> Path:
+        return self.root / "model.safetensors"
+
+    def streamed(self, budget: int, prefetch_k: int | None = None) -> MoEModel:
+        return load(self.root, dtype=self.torch_dtype, expert_cache_gb=budget / 2**30, prefetch_k=prefetch_k)
+
+    def race(self, models: dict, cold: bool = False) -> dict:
+        """Decode with `models` turn about; `cold`: the page cache dropped before every step."""
+        if not cold:
+            return race(models, self.prompt, self.tokens, self.warmup_steps)
+        before = lambda: drop_page_cache(self.path)  # noqa: E731
+        return race(models, self.prompt, self.tokens, self.warmup_steps, before_step=before)
+
+
 def _measure(root, layers, dtype, prompt_tokens, decode_steps, warmup_steps, shape, predictable, log) -> dict:
     torch_dtype = COMPUTE_DTYPES[dtype]
     kind = "predictable-routing" if predictable else "random"
     log(f"writing a {kind} {layers}-layer OLMoE-shaped checkpoint in {dtype} to {root}")
     write_checkpoint(root, layers, torch_dtype, shape, predictable)
-    path = root / "model.safetensors"
     config = json.loads((root / "config.json").read_text())
     k, E, V = config["num_experts_per_tok"], config["num_experts"], config["vocab_size"]
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, V, (prompt_tokens,), generator=gen).tolist()
     tokens = torch.randint(0, V, (warmup_steps + decode_steps,), generator=gen).tolist()
-
-    def streamed(budget: int, prefetch_k: int | None = None) -> MoEModel:
-        return load(root, dtype=torch_dtype, expert_cache_gb=budget / 2**30, prefetch_k=prefetch_k)
+    run = _Run(root, torch_dtype, k, prompt, tokens, warmup_steps, decode_steps)
 
     log("measuring RAM copy bandwidth")
     ram = copy_bandwidth("cpu") / 2  # bytes copied per second (copy_bandwidth counts read + write)
     # the smallest cache, top_k slots shared by every layer, so every expert a step needs misses
     H, I = config["hidden_size"], config["intermediate_size"]
-    model = streamed(k * 3 * H * I * torch_dtype.itemsize)  # [2I, H] gate_up + [H, I] down each
+    model = run.streamed(k * 3 * H * I * torch_dtype.itemsize)  # [2I, H] gate_up + [H, I] down each
     store = model.expert_cache.store
     slot_bytes = minimum_bytes(store, k) // k
     read_per_load = sum(s.source_bytes for s in next(iter(store.sources.values())).values())
     all_experts = E * len(store.sources)
-    log("measuring file -> RAM reads (the store's read path) with the page cache dropped, then warm")
-    ranges = _expert_ranges(model)
-    drop_page_cache(path)
-    cold_cached = cached_fraction(path, ranges)
-    cold_bw, _ = read_bandwidth(model)
-    warm_cached = cached_fraction(path, ranges)
-    warm_bw, _ = read_bandwidth(model)
-
-    n = decode_steps
-    log(f"decode with every expert missing ({k} slots), page cache dropped before every step")
-    cold = race({"min": model}, prompt, tokens, warmup_steps, before_step=lambda: drop_page_cache(path))
-    all_miss_cold = _figures(cold["min"], n, read_per_load, None, model.expert_cache.num_slots)
-    log(f"decode with every expert missing ({k} slots), page cache warm")
-    warm = race({"min": model}, prompt, tokens, warmup_steps)
-    all_miss_warm = _figures(warm["min"], n, read_per_load, None, model.expert_cache.num_slots)
+    reads = _file_reads(run, model, log)
+    all_miss = _all_miss(run, model, read_per_load, log)
     model.close()
     del model
+    runs, resident_tok_s = _cache_fractions(run, all_experts, slot_bytes, read_per_load, log)
+    gc.collect()  # the resident model's map kept the experts' pages cached: the cold runs need them gone
+    cold_runs = _cold_half_cache(run, all_experts, slot_bytes, read_per_load, log)
 
-    resident = load(root, dtype=torch_dtype)
-    runs, resident_s = [], 0.0
-    for fraction in FRACTIONS:
-        log(f"decode at a cache of {fraction:.0%} of the experts: prefetch off, prefetch_k={k}, resident")
-        budget = round(fraction * all_experts) * slot_bytes
-        models = {"off": streamed(budget), "on": streamed(budget, prefetch_k=k), "resident": resident}
-        result = race(models, prompt, tokens, warmup_steps)
-        resident_s += result["resident"]["seconds"]
-        for name, prefetch in (("off", 0), ("on", k)):
-            slots = models[name].expert_cache.num_slots
-            figures = _figures(result[name], n, read_per_load, result["resident"], slots)
-            runs.append({"cache_fraction": fraction, "prefetch_k": prefetch, **figures})
-            models[name].close()
-        del models, result
-    resident_tok_s = len(FRACTIONS) * n / resident_s
-    del resident  # its map keeps the experts' pages cached: the cold runs need them gone
-    gc.collect()
-    log(f"decode at a cache of 50% of the experts, page cache dropped before every step: prefetch off, k={k}")
-    budget = round(0.5 * all_experts) * slot_bytes
-    models = {"off": streamed(budget), "on": streamed(budget, prefetch_k=k)}
-    result = race(models, prompt, tokens, warmup_steps, before_step=lambda: drop_page_cache(path))
-    cold_runs = []
-    for name, prefetch in (("off", 0), ("on", k)):
-        figures = _figures(result[name], n, read_per_load, None, models[name].expert_cache.num_slots)
-        cold_runs.append({"cache_fraction": 0.5, "prefetch_k": prefetch, **figures})
-        models[name].close()
-    del models, result
+    def run_at(fraction: float, prefetch: int) -> dict:
+        return next(r for r in runs if r["cache_fraction"] == fraction and r["prefetch_k"] == prefetch)
 
-    def run_at(fraction: float, prefetch: int, cold: bool = False) -> dict:
-        return next(
-            r
-            for r in runs
-            if r["cache_fraction"] == fraction
-            and r["prefetch_k"] == prefetch
-            and r.get("cold", False) == cold
-        )
-
-    miss_cold = all_miss_cold["miss_fetch_bytes_per_s"]
-    miss_warm = all_miss_warm["miss_fetch_bytes_per_s"]
+    miss_cold = all_miss["cold"]["miss_fetch_bytes_per_s"]
+    miss_warm = all_miss["warm"]["miss_fetch_bytes_per_s"]
+    cold_bw, warm_bw = reads["file_read_cold_bytes_per_s"], reads["file_read_warm_bytes_per_s"]
     return {
         "model": f"olmoe-shaped, {layers} layers" + (", predictable routing" if predictable else ""),
         "dtype": dtype,
         "threads": torch.get_num_threads(),
-        "checkpoint_bytes": path.stat().st_size,
+        "checkpoint_bytes": run.path.stat().st_size,
         "experts": all_experts,
         "expert_bytes": slot_bytes,
         "top_k": k,
         "prompt_tokens": prompt_tokens,
-        "decode_steps": n,
+        "decode_steps": decode_steps,
         "ram_copy_bytes_per_s": ram,
-        "file_read_cold_bytes_per_s": cold_bw,
-        "file_read_warm_bytes_per_s": warm_bw,
-        "expert_pages_cached_before_cold_read": cold_cached,
-        "expert_pages_cached_after_cold_read": warm_cached,
-        "all_miss_cold": all_miss_cold,
-        "all_miss_warm": all_miss_warm,
+        **reads,
+        "all_miss_cold": all_miss["cold"],
+        "all_miss_warm": all_miss["warm"],
         "runs": runs,
         "resident_tok_s": resident_tok_s,
         "targets": {
@@ -345,6 +324,78 @@ def _measure(root, layers, dtype, prompt_tokens, decode_steps, warmup_steps, sha
         "cold_runs": cold_runs,  # 50% cache, page cache dropped before every step: off, then on
         "same_logits_as_resident": all(r["same_logits"] for r in runs),
     }
+
+
+def _file_reads(run: _Run, model: MoEModel, log) -> dict:
+    """The store's read path, file -> RAM, with the page cache dropped, then warm."""
+    log("measuring file -> RAM reads (the store's read path) with the page cache dropped, then warm")
+    ranges = _expert_ranges(model)
+    drop_page_cache(run.path)
+    cold_cached = cached_fraction(run.path, ranges)
+    cold_bw, _ = read_bandwidth(model)
+    warm_cached = cached_fraction(run.path, ranges)
+    warm_bw, _ = read_bandwidth(model)
+    return {
+        "file_read_cold_bytes_per_s": cold_bw,
+        "file_read_warm_bytes_per_s": warm_bw,
+        "expert_pages_cached_before_cold_read": cold_cached,
+        "expert_pages_cached_after_cold_read": warm_cached,
+    }
+
+
+def _all_miss(run: _Run, model: MoEModel, read_per_load: int, log) -> dict:
+    """Decode with the smallest cache (every expert a step needs misses), cold and warm."""
+    figures = {}
+    for cold in (True, False):
+        page_cache = "dropped before every step" if cold else "warm"
+        log(f"decode with every expert missing ({run.k} slots), page cache {page_cache}")
+        result = run.race({"min": model}, cold=cold)
+        slots = model.expert_cache.num_slots
+        figures["cold" if cold else "warm"] = _figures(
+            result["min"], run.decode_steps, read_per_load, None, slots
+        )
+    return figures
+
+
+def _cache_fractions(
+    run: _Run, all_experts: int, slot_bytes: int, read_per_load: int, log
+) -> tuple[list, float]:
+    """Decode at each cache size of FRACTIONS, prefetch off and on, against the resident model:
+    the runs' figures and the resident model's tok/s."""
+    resident = load(run.root, dtype=run.torch_dtype)
+    runs, resident_s = [], 0.0
+    for fraction in FRACTIONS:
+        log(f"decode at a cache of {fraction:.0%} of the experts: prefetch off, prefetch_k={run.k}, resident")
+        budget = round(fraction * all_experts) * slot_bytes
+        models = {
+            "off": run.streamed(budget),
+            "on": run.streamed(budget, prefetch_k=run.k),
+            "resident": resident,
+        }
+        result = run.race(models)
+        resident_s += result["resident"]["seconds"]
+        for name, prefetch in (("off", 0), ("on", run.k)):
+            slots = models[name].expert_cache.num_slots
+            figures = _figures(result[name], run.decode_steps, read_per_load, result["resident"], slots)
+            runs.append({"cache_fraction": fraction, "prefetch_k": prefetch, **figures})
+            models[name].close()
+    return runs, len(FRACTIONS) * run.decode_steps / resident_s
+
+
+def _cold_half_cache(run: _Run, all_experts: int, slot_bytes: int, read_per_load: int, log) -> list[dict]:
+    """Decode at a 50% cache with the page cache dropped before every step, prefetch off then on."""
+    log(f"decode at a 50% cache, page cache dropped before every step: prefetch off, k={run.k}")
+    budget = round(0.5 * all_experts) * slot_bytes
+    models = {"off": run.streamed(budget), "on": run.streamed(budget, prefetch_k=run.k)}
+    result = run.race(models, cold=True)
+    cold_runs = []
+    for name, prefetch in (("off", 0), ("on", run.k)):
+        figures = _figures(
+            result[name], run.decode_steps, read_per_load, None, models[name].expert_cache.num_slots
+        )
+        cold_runs.append({"cache_fraction": 0.5, "prefetch_k": prefetch, **figures})
+        models[name].close()
+    return cold_runs
 
 
 def _pct(x: float | None) -> str:

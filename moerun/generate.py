@@ -17,7 +17,7 @@ from moerun.text.stops import StopMatcher
 from moerun.text.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
-    from moerun.decoder.attention import KVCache
+    from moerun.decoder.kv_cache import KVCache
     from moerun.decoder.model import MoEModel
 
 

@@ -11,7 +11,6 @@ it cannot express: there scores and softmax run in fp32.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,29 +19,6 @@ from moerun.decoder.config import AttentionSpec
 from moerun.decoder.linear import linear
 from moerun.decoder.norm import rms_norm
 from moerun.decoder.rope import Rotary
-
-
-@dataclass
-class KVCache:
-    """Keys and values of every layer, [B, kv_heads, max_len, head_dim] each, filled up to `length`
-    (positions past it are uninitialised and never read)."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    length: int = 0
-
-    @classmethod
-    def allocate(
-        cls, num_layers: int, batch: int, spec: AttentionSpec, max_len: int, dtype: torch.dtype, device
-    ) -> KVCache:
-        shape = (batch, spec.kv_heads, max_len, spec.head_dim)
-        keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        return cls(keys, values)
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2]
 
 
 class Attention:

@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from moerun.decoder.attention import Attention, KVCache
+from moerun.decoder.attention import Attention
 from moerun.decoder.config import ModelConfig
+from moerun.decoder.kv_cache import KVCache
 from moerun.decoder.linear import linear
 from moerun.decoder.norm import rms_norm
 from moerun.decoder.rope import Rotary

@@ -4,6 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 .venv/bin/ruff check moerun tests
-echo "lines of code: moerun $(cat moerun/*.py moerun/*/*.py | wc -l), tests $(cat tests/*.py | wc -l)"
+echo "lines of code: moerun $(find moerun -name '*.py' -exec cat {} + | wc -l), tests $(cat tests/*.py | wc -l)"
 if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
 .venv/bin/python -m pytest -q "$@"

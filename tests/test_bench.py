@@ -10,7 +10,7 @@ import torch
 
 from moerun.bench import layer as bench
 from moerun.bench.layer import BenchShape, run_bench
-from moerun.cli import main as cli
+from moerun.cli import main
 
 TINY = BenchShape(
     "qwen3_moe",
@@ -27,7 +27,7 @@ TINY_GPT_OSS = BenchShape(
 def _bench_json(monkeypatch, capsys, shape: BenchShape, *args: str) -> dict:
     """Register `shape` as "tiny", run `moerun bench --shape tiny ARGS --json`, return its record."""
     monkeypatch.setitem(bench.SHAPES, "tiny", shape)
-    assert cli.main(["bench", "--shape", "tiny", *args, "--json"]) == 0
+    assert main(["bench", "--shape", "tiny", *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -87,7 +87,7 @@ def test_json_without_peer_says_why(monkeypatch, capsys):
 def test_cli_table_without_peer(monkeypatch, capsys):
     monkeypatch.setitem(bench.SHAPES, "tiny", TINY)
     assert (
-        cli.main(["bench", "--shape", "tiny", "--prefill-tokens", "8", "--decode-steps", "2", "--no-peer"])
+        main(["bench", "--shape", "tiny", "--prefill-tokens", "8", "--decode-steps", "2", "--no-peer"])
         == 0
     )
     out = capsys.readouterr().out
@@ -162,4 +162,4 @@ def test_cli_quantised_bench_reports_the_dequant_cache(monkeypatch, capsys):
 
 def test_cli_refuses_a_malformed_formats_flag(monkeypatch):
     with pytest.raises(SystemExit, match="gate_up=FMT,down=FMT, not 'up=q4_k'"):
-        cli.main(["bench", "--formats", "up=q4_k"])
+        main(["bench", "--formats", "up=q4_k"])

@@ -8,6 +8,9 @@ The Hugging Face hub cache (where hub ids are looked up, never downloaded) follo
 `XDG_CACHE_HOME/huggingface/hub`, else `~/.cache/huggingface/hub`.
 `TRITON_INTERPRET=1` (triton's own switch, read here only to check the triton backend may run on CPU
 tensors) runs Triton kernels in triton's interpreter.
+`MOERUN_CPU_ISA` forces the native CPU kernels' variant: `generic`, `avx2` or `avx512` (at most what
+the CPU supports), or `off` to not use them; unset picks the best the CPU runs.
+`MOERUN_CPU_BUILD_DIR` is where those kernels are compiled to (default `~/.cache/moerun/cpu`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TRACE_CHANNELS = frozenset({"perf", "buffers"})
+CPU_ISAS = ("generic", "avx2", "avx512", "off")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class Settings:
     trace: frozenset[str] = frozenset()
     hf_hub_cache: Path = field(default_factory=lambda: Path.home() / ".cache" / "huggingface" / "hub")
     triton_interpret: bool = False
+    cpu_isa: str | None = None  # MOERUN_CPU_ISA, one of CPU_ISAS; None: the best the CPU supports
+    cpu_build_dir: Path | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -40,7 +46,17 @@ class Settings:
         if "all" in channels:
             channels = TRACE_CHANNELS
         interpret = environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-        return cls(trace=channels, hf_hub_cache=_hf_hub_cache(environ), triton_interpret=interpret)
+        cpu_isa = environ.get("MOERUN_CPU_ISA", "").strip().lower() or None
+        if cpu_isa is not None and cpu_isa not in CPU_ISAS:
+            raise ValueError(f"MOERUN_CPU_ISA={cpu_isa!r} is not one of {', '.join(CPU_ISAS)}.")
+        build_dir = environ.get("MOERUN_CPU_BUILD_DIR", "").strip()
+        return cls(
+            trace=channels,
+            hf_hub_cache=_hf_hub_cache(environ),
+            triton_interpret=interpret,
+            cpu_isa=cpu_isa,
+            cpu_build_dir=Path(build_dir).expanduser() if build_dir else None,
+        )
 
 
 def _hf_hub_cache(environ: Mapping[str, str]) -> Path:

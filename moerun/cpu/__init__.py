@@ -1,0 +1,237 @@
+"""moerun's native CPU kernel layer: quantised matrix products and the MoE decode step in C + OpenMP.
+
+Weights stay in their file format (`moerun.quant.formats`): rows of raw bytes uint8 [out, row_bytes]
+(ggml's block layouts), or dense f32/f16/bf16 [out, in]. Two modes:
+  exact    fp32 activations; weights decoded with dequant.py's float operations; fp32 multiply-adds.
+  integer  activations quantised per block (q8_K for the k-quants, q8_0 for q8_0/q4_0/mxfp4; float
+           weights keep fp32), integer dot products, scales applied per block in fp32, as llama.cpp.
+Results are bitwise reproducible: each output element is computed by one thread in an order that
+depends on neither the thread count nor buffer addresses. The layer builds itself on first use
+(`moerun.cpu.build`); where it cannot, `available()` is False and `unavailable_reason()` says why.
+The torch reference of every function here is `moerun.cpu.reference`.
+
+Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
+exact mode for q2_k/q3_k/q5_k on every variant and for every block format on avx2; integer mode
+for q2_k/q3_k/q5_k on avx2. No prefill GEMM yet: large T is tiled (weights stay in L2) but runs the
+same per-row kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moerun.activations import GLU, Activation, GptOssSwiGLU
+from moerun.cpu import library
+from moerun.cpu.library import FORMAT_IDS, INTEGER_ACT, Q8_0_BYTES, Q8K_BYTES
+from moerun.quant.formats import FLOAT_DTYPES, FormatError, get_format
+
+__all__ = ["available", "unavailable_reason", "isa", "matmul", "moe_decode", "moe_decode_table", "quantize"]
+
+Weight = tuple[str, torch.Tensor]  # (format name, uint8 [out, row_bytes] or dense [out, in])
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded (building them on first use)."""
+    return not isinstance(library.load(), str)
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels are unavailable (one sentence), or None where they run."""
+    loaded = library.load()
+    return loaded if isinstance(loaded, str) else None
+
+
+def isa() -> str:
+    """The variant that runs: 'generic', 'avx2' or 'avx512' (RuntimeError where unavailable)."""
+    return library.native().variant
+
+
+def _check_weight(fmt_name: str, data: torch.Tensor, n: int, what: str) -> int:
+    """Validates one weight of `n` inputs; returns its row bytes."""
+    fmt = get_format(fmt_name)
+    row_bytes = fmt.row_bytes(n, what)
+    if data.dtype != torch.uint8 and FLOAT_DTYPES.get(fmt_name) != data.dtype:
+        raise FormatError(
+            f"{what}: {fmt_name} weights must be uint8 bytes or {fmt_name} values, got {data.dtype}."
+        )
+    if data.ndim != 2 or data.device.type != "cpu" or not data.is_contiguous():
+        raise FormatError(
+            f"{what}: weights must be a contiguous 2-D CPU tensor, got shape {tuple(data.shape)}."
+        )
+    if data.shape[1] * data.element_size() != row_bytes:
+        raise FormatError(
+            f"{what}: {fmt_name} rows of {n} inputs take {row_bytes} bytes, got {tuple(data.shape)}."
+        )
+    return row_bytes
+
+
+def _check_x(x: torch.Tensor, what: str) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"{what}: activations must be float32 on the CPU, got {x.dtype} on {x.device}.")
+    return x.contiguous()
+
+
+def matmul(
+    fmt_name: str, data: torch.Tensor, x: torch.Tensor, integer: bool = False, variant: str | None = None
+) -> torch.Tensor:
+    """x float32 [T, in] (or [in]) times the weight's rows -> float32 [T, out] (or [out]).
+
+    data: uint8 [out, row_bytes] of `fmt_name`, or (f32/f16/bf16) a dense [out, in] tensor.
+    variant: run that ISA variant instead of the dispatched one (tests, benchmarks)."""
+    native = library.native(variant)
+    x2 = _check_x(x, "matmul").reshape(-1, x.shape[-1])
+    row_bytes = _check_weight(fmt_name, data, x.shape[-1], "matmul")
+    out = torch.empty(x2.shape[0], data.shape[0], dtype=torch.float32)
+    rc = native.matmul(
+        FORMAT_IDS[fmt_name],
+        data.data_ptr(),
+        data.shape[0],
+        x.shape[-1],
+        row_bytes,
+        x2.data_ptr(),
+        x2.shape[0],
+        out.data_ptr(),
+        int(integer),
+        torch.get_num_threads(),
+    )
+    library.check(rc, "moerun_matmul")
+    return out if x.ndim == 2 else out[0]
+
+
+def quantize(x: torch.Tensor, act: str) -> torch.Tensor:
+    """x float32 [T, n] -> the native activation blocks as bytes uint8 [T, nbytes]: act 'q8_k' (292
+    bytes per 256: fp32 d, int8 qs[256], int16 bsums[16]) or 'q8_0' (40 bytes per 32: fp32 d holding
+    an fp16 value, int32 sum of qs, int8 qs[32])."""
+    native = library.native()
+    x = _check_x(x, "quantize")
+    kind, per, size = (
+        (library.ACT_Q8_K, 256, Q8K_BYTES) if act == "q8_k" else (library.ACT_Q8_0, 32, Q8_0_BYTES)
+    )
+    if act not in ("q8_k", "q8_0") or x.shape[-1] % per:
+        raise ValueError(
+            f"quantize: act must be 'q8_k' or 'q8_0' over rows of whole blocks, got {act!r}, {x.shape}."
+        )
+    out = torch.empty(x.shape[0], x.shape[1] // per * size, dtype=torch.uint8)
+    library.check(
+        native.quantize(kind, x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()), "moerun_quantize"
+    )
+    return out
+
+
+def _activation(act: Activation) -> tuple[int, float, float]:
+    if isinstance(act, GptOssSwiGLU):
+        return library.ACTIVATION_IDS["gpt_oss"], act.alpha, act.limit
+    if isinstance(act, GLU):
+        return library.ACTIVATION_IDS[act.gate_fn], 0.0, 0.0
+    raise TypeError(f"moe_decode: activation {act!r} is not a GLU or GptOssSwiGLU.")
+
+
+def moe_decode_table(
+    x: torch.Tensor,
+    table: torch.Tensor,
+    formats: torch.Tensor,
+    intermediate: int,
+    slot_expert: torch.Tensor,
+    slot_weight: torch.Tensor,
+    act: Activation,
+    integer: bool = False,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """The MoE decode step over a prebuilt pointer table (no per-expert Python; the caller keeps the
+    tensors the table points into alive and checked).
+
+    x float32 [T, H]; table int64 [E, 4]: addresses of each expert's gate_up [2I, H] and down [H, I]
+    weights and of its fp32 gate_up bias [2I] and down bias [H] (0: none); formats int32 [E, 2]:
+    FORMAT_IDS of gate_up and down; slot_expert int32 [T, k]: rows of the table, each token's slots in
+    ascending expert id; slot_weight float32 [T, k]. -> out float32 [T, H] = sum over a token's slots,
+    in order, of weight * (down(act(gate_up(x) + b_gu)) + b_down)."""
+    native = library.native(variant)
+    x = _check_x(x, "moe_decode")
+    T, H = x.shape
+    kind, alpha, limit = _activation(act)
+    out = torch.empty(T, H, dtype=torch.float32)
+    rc = native.moe_decode(
+        table.shape[0],
+        table.data_ptr(),
+        formats.data_ptr(),
+        H,
+        intermediate,
+        T,
+        slot_expert.shape[1],
+        slot_expert.data_ptr(),
+        slot_weight.data_ptr(),
+        x.data_ptr(),
+        out.data_ptr(),
+        kind,
+        alpha,
+        limit,
+        int(integer),
+        torch.get_num_threads(),
+    )
+    library.check(rc, "moerun_moe_decode")
+    return out
+
+
+def moe_decode(
+    x: torch.Tensor,
+    gate_up: Sequence[Weight],
+    down: Sequence[Weight],
+    slot_expert: torch.Tensor,
+    slot_weight: torch.Tensor,
+    act: Activation,
+    integer: bool = False,
+    gate_up_bias: Sequence[torch.Tensor | None] | None = None,
+    down_bias: Sequence[torch.Tensor | None] | None = None,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """`moe_decode_table` over the step's E distinct experts given as (format, data) pairs: gate_up[e]
+    [2I, H], down[e] [H, I]; slot_expert int32 [T, k] indexes these lists. Biases: fp32 [2I] / [H]."""
+    if len(gate_up) != len(down) or not gate_up:
+        raise ValueError(
+            f"moe_decode: need as many gate_up as down weights (>0), got {len(gate_up)}, {len(down)}."
+        )
+    H = x.shape[-1]
+    inter = down[0][1].shape[1] * down[0][1].element_size() // get_format(down[0][0]).block_bytes
+    inter *= get_format(down[0][0]).block_size
+    rows, row_bytes = [], {}
+    for e, ((gf, gd), (df, dd)) in enumerate(zip(gate_up, down, strict=True)):
+        for fmt_name, data, n, out, what in ((gf, gd, H, 2 * inter, "gate_up"), (df, dd, inter, H, "down")):
+            key = (fmt_name, n)
+            if key not in row_bytes:
+                row_bytes[key] = get_format(fmt_name).row_bytes(n, f"expert {e} {what}")
+            if data.dtype != torch.uint8 or data.shape != (out, row_bytes[key]) or not data.is_contiguous():
+                _check_weight(fmt_name, data, n, f"expert {e} {what}")  # says what is wrong, or passes
+                if data.shape[0] != out:
+                    raise FormatError(
+                        f"moe_decode: expert {e}'s {what} has {data.shape[0]} rows; need {out}."
+                    )
+        biases = []
+        for bias, size in (
+            (gate_up_bias[e] if gate_up_bias else None, 2 * inter),
+            (down_bias[e] if down_bias else None, H),
+        ):
+            if bias is not None and (
+                bias.dtype != torch.float32 or bias.shape != (size,) or not bias.is_contiguous()
+            ):
+                raise FormatError(f"moe_decode: expert {e}'s bias must be contiguous float32 [{size}].")
+            biases.append(0 if bias is None else bias.data_ptr())
+        rows.append([gd.data_ptr(), dd.data_ptr(), *biases])
+    table = torch.tensor(rows, dtype=torch.int64)
+    formats = torch.tensor(
+        [[FORMAT_IDS[g[0]], FORMAT_IDS[d[0]]] for g, d in zip(gate_up, down, strict=True)], dtype=torch.int32
+    )
+    slot_expert = slot_expert.to(torch.int32).contiguous()
+    if slot_expert.shape[0] != x.shape[0] or slot_weight.shape != slot_expert.shape:
+        raise ValueError(
+            f"moe_decode: slot_expert {tuple(slot_expert.shape)} and slot_weight "
+            f"{tuple(slot_weight.shape)} must both be [T={x.shape[0]}, k]."
+        )
+    if slot_expert.numel() and (int(slot_expert.min()) < 0 or int(slot_expert.max()) >= len(gate_up)):
+        raise ValueError(f"moe_decode: slot_expert must index the {len(gate_up)} experts given.")
+    weights = slot_weight.float().contiguous()
+    return moe_decode_table(x, table, formats, inter, slot_expert, weights, act, integer, variant)
+
+
+INTEGER_ACTIVATIONS = INTEGER_ACT  # weight format -> what integer mode quantises its input to

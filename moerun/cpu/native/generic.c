@@ -1,0 +1,407 @@
+/* Portable C kernels for every format, both modes: the scalar reference of the SIMD files and the
+ * code every variant falls back to. Written with 16 independent float lanes so that compilers
+ * vectorise them without reordering any sum (no -ffast-math): each lane sums a fixed subset of
+ * elements in a fixed order, and the lanes are added in one fixed tree. */
+#include "common.h"
+
+fmt_info FMT[F_COUNT];
+
+/* ------------------------------------------------------------------ unpacking one block
+ * Integer parts of a block: value i = d * sc[i / G] * q[i] - dmin * mn[i / G], with G = 16 for the
+ * k-quants (Q4_K/Q5_K's 8 scales of 32 elements are repeated per 16) and one scale for 32-blocks. */
+
+static inline void k4_scales(const uint8_t *p, int16_t sc[16], int16_t mn[16]) {
+    for (int s = 0; s < 8; s++) {
+        int a, m;
+        if (s < 4) {
+            a = p[s] & 63;
+            m = p[s + 4] & 63;
+        } else {
+            a = (p[s + 4] & 0xF) | ((p[s - 4] >> 6) << 4);
+            m = (p[s + 4] >> 4) | ((p[s] >> 6) << 4);
+        }
+        sc[2 * s] = sc[2 * s + 1] = (int16_t)a;
+        mn[2 * s] = mn[2 * s + 1] = (int16_t)m;
+    }
+}
+
+static inline void unpack_q4_k(const uint8_t *b, int8_t q[256], int16_t sc[16], int16_t mn[16],
+                               float *d, float *dmin) {
+    *d = f16_at(b);
+    *dmin = f16_at(b + 2);
+    k4_scales(b + 4, sc, mn);
+    const uint8_t *qs = b + 16;
+    for (int k = 0; k < 4; k++)
+        for (int l = 0; l < 32; l++) {
+            q[64 * k + l] = (int8_t)(qs[32 * k + l] & 0xF);
+            q[64 * k + 32 + l] = (int8_t)(qs[32 * k + l] >> 4);
+        }
+}
+
+static inline void unpack_q5_k(const uint8_t *b, int8_t q[256], int16_t sc[16], int16_t mn[16],
+                               float *d, float *dmin) {
+    *d = f16_at(b);
+    *dmin = f16_at(b + 2);
+    k4_scales(b + 4, sc, mn);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int k = 0; k < 4; k++)
+        for (int l = 0; l < 32; l++) {
+            int lo = 64 * k + l, hi = lo + 32;
+            q[lo] = (int8_t)((qs[32 * k + l] & 0xF) | (((qh[l] >> (2 * k)) & 1) << 4));
+            q[hi] = (int8_t)((qs[32 * k + l] >> 4) | (((qh[l] >> (2 * k + 1)) & 1) << 4));
+        }
+}
+
+static inline void unpack_q6_k(const uint8_t *b, int8_t q[256], int16_t sc[16], int16_t mn[16],
+                               float *d, float *dmin) {
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t *L = ql + 64 * h, *H = qh + 32 * h;
+            int8_t *o = q + 128 * h;
+            o[l] = (int8_t)(((L[l] & 0xF) | (((H[l] >> 0) & 3) << 4)) - 32);
+            o[l + 32] = (int8_t)(((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4)) - 32);
+            o[l + 64] = (int8_t)(((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32);
+            o[l + 96] = (int8_t)(((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32);
+        }
+    for (int g = 0; g < 16; g++) {
+        sc[g] = (int8_t)b[192 + g];
+        mn[g] = 0;
+    }
+    *d = f16_at(b + 208);
+    *dmin = 0;
+}
+
+static inline void unpack_q2_k(const uint8_t *b, int8_t q[256], int16_t sc[16], int16_t mn[16],
+                               float *d, float *dmin) {
+    for (int g = 0; g < 16; g++) {
+        sc[g] = b[g] & 0xF;
+        mn[g] = b[g] >> 4;
+    }
+    const uint8_t *qs = b + 16;
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) q[128 * h + 32 * s + l] = (int8_t)((qs[32 * h + l] >> (2 * s)) & 3);
+    *d = f16_at(b + 80);
+    *dmin = f16_at(b + 82);
+}
+
+static inline void unpack_q3_k(const uint8_t *b, int8_t q[256], int16_t sc[16], int16_t mn[16],
+                               float *d, float *dmin) {
+    const uint8_t *hm = b, *qs = b + 32, *ps = b + 96;
+    for (int g = 0; g < 16; g++) {
+        int low = g < 8 ? (ps[g] & 0xF) : (ps[g - 8] >> 4);
+        int high = (ps[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+        sc[g] = (int16_t)((low | (high << 4)) - 32);
+        mn[g] = 0;
+    }
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) {
+                int i = 128 * h + 32 * s + l, run = 4 * h + s;
+                int v = (qs[32 * h + l] >> (2 * s)) & 3;
+                q[i] = (int8_t)(v - (((hm[l] >> run) & 1) ? 0 : 4));
+            }
+    *d = f16_at(b + 108);
+    *dmin = 0;
+}
+
+/* 32-element blocks: value i = d * q[i]. */
+static inline void unpack_q8_0(const uint8_t *b, int8_t q[32], float *d) {
+    *d = f16_at(b);
+    memcpy(q, b + 2, 32);
+}
+static inline void unpack_q4_0(const uint8_t *b, int8_t q[32], float *d) {
+    *d = f16_at(b);
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)((b[2 + j] & 0xF) - 8);
+        q[j + 16] = (int8_t)((b[2 + j] >> 4) - 8);
+    }
+}
+static inline void unpack_mxfp4(const uint8_t *b, int8_t q[32], float *d) {
+    *d = e8m0_half(b[0]);
+    for (int j = 0; j < 16; j++) {
+        q[j] = KVALUES_MXFP4[b[1 + j] & 0xF];
+        q[j + 16] = KVALUES_MXFP4[b[1 + j] >> 4];
+    }
+}
+static inline void unpack_mxfp4_oss(const uint8_t *b, int8_t q[32], float *d) {
+    *d = e8m0_half(b[0]);
+    for (int j = 0; j < 16; j++) {
+        q[2 * j] = KVALUES_MXFP4[b[1 + j] & 0xF];
+        q[2 * j + 1] = KVALUES_MXFP4[b[1 + j] >> 4];
+    }
+}
+
+/* ------------------------------------------------------------------ shared loops */
+
+static inline float sum16(float a[16]) {
+    for (int w = 8; w >= 1; w >>= 1)
+        for (int l = 0; l < w; l++) a[l] += a[l + w];
+    return a[0];
+}
+
+typedef void (*kunpack_fn)(const uint8_t *, int8_t *, int16_t *, int16_t *, float *, float *);
+typedef void (*bunpack_fn)(const uint8_t *, int8_t *, float *);
+
+/* Exact mode, k-quants: the block's values as dequant.py computes them ((d * sc) * q - dmin * mn),
+ * then fp32 multiply-adds into 16 lanes per token. */
+static inline __attribute__((always_inline)) void rows_k_exact(const uint8_t *w, size_t rb, int64_t r0,
+                                                               int64_t r1, int64_t n, const void *const *xs,
+                                                               int T, float *const *ys, kunpack_fn un,
+                                                               int bytes, int has_min) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T][16] = {{0}};
+        for (int64_t b = 0; b < n / 256; b++) {
+            int8_t q[256];
+            int16_t sc[16], mn[16];
+            float d, dmin, v[256];
+            un(row + b * bytes, q, sc, mn, &d, &dmin);
+            for (int g = 0; g < 16; g++) {
+                float step = d * (float)sc[g], off = dmin * (float)mn[g];
+                for (int l = 0; l < 16; l++) {
+                    float x = step * (float)q[16 * g + l];
+                    v[16 * g + l] = has_min ? x - off : x;
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const float *x = (const float *)xs[t] + b * 256;
+                for (int j = 0; j < 256; j += 16)
+                    for (int l = 0; l < 16; l++) acc[t][l] += v[j + l] * x[j + l];
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = sum16(acc[t]);
+    }
+}
+
+/* Integer mode, k-quants x q8_K: per super-block S1 = sum_g sc[g] * dot_g and S2 = sum_g mn[g] *
+ * bsums[g] in int32 (exact), then acc += (yd * d) * S1 - (yd * dmin) * S2 in fp32. */
+static inline __attribute__((always_inline)) void rows_k_int(const uint8_t *w, size_t rb, int64_t r0,
+                                                             int64_t r1, int64_t n, const void *const *xs,
+                                                             int T, float *const *ys, kunpack_fn un,
+                                                             int bytes, int has_min) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T] = {0};
+        for (int64_t b = 0; b < n / 256; b++) {
+            int8_t q[256];
+            int16_t sc[16], mn[16];
+            float d, dmin;
+            un(row + b * bytes, q, sc, mn, &d, &dmin);
+            for (int t = 0; t < T; t++) {
+                const q8k_t *y = (const q8k_t *)xs[t] + b;
+                int32_t s1 = 0, s2 = 0;
+                for (int g = 0; g < 16; g++) {
+                    int32_t dot = 0;
+                    for (int l = 0; l < 16; l++) dot += (int32_t)q[16 * g + l] * y->qs[16 * g + l];
+                    s1 += sc[g] * dot;
+                    s2 += mn[g] * y->bsums[g];
+                }
+                acc[t] += (y->d * d) * (float)s1;
+                if (has_min) acc[t] -= (y->d * dmin) * (float)s2;
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_b_exact(const uint8_t *w, size_t rb, int64_t r0,
+                                                               int64_t r1, int64_t n, const void *const *xs,
+                                                               int T, float *const *ys, bunpack_fn un,
+                                                               int bytes) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T][16] = {{0}};
+        for (int64_t b = 0; b < n / 32; b++) {
+            int8_t q[32];
+            float d, v[32];
+            un(row + b * bytes, q, &d);
+            for (int j = 0; j < 32; j++) v[j] = d * (float)q[j];
+            for (int t = 0; t < T; t++) {
+                const float *x = (const float *)xs[t] + b * 32;
+                for (int j = 0; j < 32; j += 16)
+                    for (int l = 0; l < 16; l++) acc[t][l] += v[j + l] * x[j + l];
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = sum16(acc[t]);
+    }
+}
+
+/* Integer mode, 32-blocks x q8_0: acc += (d * yd) * dot in fp32, dot exact in int32. */
+static inline __attribute__((always_inline)) void rows_b_int(const uint8_t *w, size_t rb, int64_t r0,
+                                                             int64_t r1, int64_t n, const void *const *xs,
+                                                             int T, float *const *ys, bunpack_fn un,
+                                                             int bytes) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T] = {0};
+        for (int64_t b = 0; b < n / 32; b++) {
+            int8_t q[32];
+            float d;
+            un(row + b * bytes, q, &d);
+            for (int t = 0; t < T; t++) {
+                const q8a_t *y = (const q8a_t *)xs[t] + b;
+                int32_t dot = 0;
+                for (int j = 0; j < 32; j++) dot += (int32_t)q[j] * y->qs[j];
+                acc[t] += (d * y->d) * (float)dot;
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
+    }
+}
+
+/* Dense float rows (f32 / f16 / bf16), fp32 multiply-adds into 16 lanes per token. */
+static inline float load_float(const uint8_t *row, int64_t i, int kind) {
+    if (kind == F_F32) {
+        float f;
+        memcpy(&f, row + 4 * i, 4);
+        return f;
+    }
+    uint16_t h = rd16(row + 2 * i);
+    if (kind == F_F16) return f16_to_f32(h);
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline __attribute__((always_inline)) void rows_float(const uint8_t *w, size_t rb, int64_t r0,
+                                                             int64_t r1, int64_t n, const void *const *xs,
+                                                             int T, float *const *ys, int kind) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T][16] = {{0}};
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            float v[16];
+            for (int l = 0; l < 16; l++) v[l] = load_float(row, j + l, kind);
+            for (int t = 0; t < T; t++) {
+                const float *x = (const float *)xs[t] + j;
+                for (int l = 0; l < 16; l++) acc[t][l] += v[l] * x[l];
+            }
+        }
+        for (int l = 0; j + l < n; l++) {
+            float v = load_float(row, j + l, kind);
+            for (int t = 0; t < T; t++) acc[t][l] += v * ((const float *)xs[t])[j + l];
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = sum16(acc[t]);
+    }
+}
+
+#define ROWS_ARGS                                                                                      \
+    const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n, const void *const *xs, int T,      \
+        float *const *ys
+/* Each kernel in two copies: T == 1 (decode; accumulators in registers) and any T. */
+#define K_FORMAT(name, bytes, has_min)                                                                 \
+    static void name##_exact(ROWS_ARGS) {                                                              \
+        if (T == 1) rows_k_exact(w, rb, r0, r1, n, xs, 1, ys, unpack_##name, bytes, has_min);           \
+        else rows_k_exact(w, rb, r0, r1, n, xs, T, ys, unpack_##name, bytes, has_min);                  \
+    }                                                                                                  \
+    static void name##_int(ROWS_ARGS) {                                                                \
+        if (T == 1) rows_k_int(w, rb, r0, r1, n, xs, 1, ys, unpack_##name, bytes, has_min);             \
+        else rows_k_int(w, rb, r0, r1, n, xs, T, ys, unpack_##name, bytes, has_min);                    \
+    }
+#define B_FORMAT(name, bytes)                                                                          \
+    static void name##_exact(ROWS_ARGS) {                                                              \
+        if (T == 1) rows_b_exact(w, rb, r0, r1, n, xs, 1, ys, unpack_##name, bytes);                    \
+        else rows_b_exact(w, rb, r0, r1, n, xs, T, ys, unpack_##name, bytes);                           \
+    }                                                                                                  \
+    static void name##_int(ROWS_ARGS) {                                                                \
+        if (T == 1) rows_b_int(w, rb, r0, r1, n, xs, 1, ys, unpack_##name, bytes);                      \
+        else rows_b_int(w, rb, r0, r1, n, xs, T, ys, unpack_##name, bytes);                             \
+    }
+
+K_FORMAT(q2_k, 84, 1)
+K_FORMAT(q3_k, 110, 0)
+K_FORMAT(q4_k, 144, 1)
+K_FORMAT(q5_k, 176, 1)
+K_FORMAT(q6_k, 210, 0)
+B_FORMAT(q8_0, 34)
+B_FORMAT(q4_0, 18)
+B_FORMAT(mxfp4, 17)
+B_FORMAT(mxfp4_oss, 17)
+#define FLOAT_FORMAT(name, kind)                                                                       \
+    static void name##_rows(ROWS_ARGS) {                                                               \
+        if (T == 1) rows_float(w, rb, r0, r1, n, xs, 1, ys, kind);                                      \
+        else rows_float(w, rb, r0, r1, n, xs, T, ys, kind);                                             \
+    }
+FLOAT_FORMAT(f32, F_F32)
+FLOAT_FORMAT(f16, F_F16)
+FLOAT_FORMAT(bf16, F_BF16)
+
+void init_generic(void) {
+    FMT[F_F32] = (fmt_info){1, 4, ACT_F32, f32_rows, f32_rows};
+    FMT[F_F16] = (fmt_info){1, 2, ACT_F32, f16_rows, f16_rows};
+    FMT[F_BF16] = (fmt_info){1, 2, ACT_F32, bf16_rows, bf16_rows};
+    FMT[F_Q8_0] = (fmt_info){32, 34, ACT_Q8_0, q8_0_exact, q8_0_int};
+    FMT[F_Q4_0] = (fmt_info){32, 18, ACT_Q8_0, q4_0_exact, q4_0_int};
+    FMT[F_Q2_K] = (fmt_info){256, 84, ACT_Q8_K, q2_k_exact, q2_k_int};
+    FMT[F_Q3_K] = (fmt_info){256, 110, ACT_Q8_K, q3_k_exact, q3_k_int};
+    FMT[F_Q4_K] = (fmt_info){256, 144, ACT_Q8_K, q4_k_exact, q4_k_int};
+    FMT[F_Q5_K] = (fmt_info){256, 176, ACT_Q8_K, q5_k_exact, q5_k_int};
+    FMT[F_Q6_K] = (fmt_info){256, 210, ACT_Q8_K, q6_k_exact, q6_k_int};
+    FMT[F_MXFP4] = (fmt_info){32, 17, ACT_Q8_0, mxfp4_exact, mxfp4_int};
+    FMT[F_MXFP4_OSS] = (fmt_info){32, 17, ACT_Q8_0, mxfp4_oss_exact, mxfp4_oss_int};
+}
+
+/* ------------------------------------------------------------------ activation quantisers */
+
+/* ggml's nearest_int: round to nearest, ties to even, for |v| < 2^22. */
+static inline int nearest_int(float v) {
+    float f = v + 12582912.f;
+    int32_t i;
+    memcpy(&i, &f, 4);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+/* ggml's quantize_row_q8_K_ref: iscale = -127 / (the x of largest |x|, first of ties),
+ * qs = min(127, nearest_int(iscale * x)), d = 1 / iscale. */
+void quantize_q8k(const float *x, int64_t n, q8k_t *y) {
+    for (int64_t b = 0; b < n / 256; b++, x += 256, y++) {
+        float amax = 0, max = 0;
+        for (int j = 0; j < 256; j++) {
+            float ax = fabsf(x[j]);
+            if (ax > amax) {
+                amax = ax;
+                max = x[j];
+            }
+        }
+        if (amax == 0) {
+            memset(y, 0, sizeof *y);
+            continue;
+        }
+        const float iscale = -127.f / max;
+        for (int j = 0; j < 256; j++) {
+            int v = nearest_int(iscale * x[j]);
+            y->qs[j] = (int8_t)(v < 127 ? v : 127);
+        }
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int l = 0; l < 16; l++) s += y->qs[16 * g + l];
+            y->bsums[g] = (int16_t)s;
+        }
+        y->d = 1 / iscale;
+    }
+}
+
+/* ggml's quantize_row_q8_0_ref (and gguf-py's Q8_0): d = amax / 127, qs = roundf(x / d) (ties away
+ * from zero), d kept at fp16 precision. */
+void quantize_q8a(const float *x, int64_t n, q8a_t *y) {
+    for (int64_t b = 0; b < n / 32; b++, x += 32, y++) {
+        float amax = 0;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.f, id = d != 0 ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) {
+            float v = x[j] * id, r = truncf(v);
+            if (fabsf(v - r) >= 0.5f) r += copysignf(1.f, v);
+            int q = (int)r;
+            q = q > 127 ? 127 : (q < -128 ? -128 : q);
+            y->qs[j] = (int8_t)q;
+            sum += q;
+        }
+        y->sum = sum;
+        y->d = f16_to_f32(f32_to_f16(d));
+    }
+}

@@ -1,0 +1,175 @@
+/* The MoE decode step as one call: gate_up of every expert of the step (each expert's rows read once
+ * for all its tokens), the activation, down, and each token's ordered weighted sum, in one OpenMP
+ * parallel region with barriers between the phases. Threads split the rows of all the step's experts
+ * (static contiguous chunks), then the slots, then the output columns. */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+enum { ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_GPT_OSS };
+
+static size_t q_bytes(int act, int64_t n) {
+    if (act == ACT_Q8_K) return (size_t)(n / 256) * sizeof(q8k_t);
+    if (act == ACT_Q8_0) return (size_t)(n / 32) * sizeof(q8a_t);
+    return (size_t)n * sizeof(float);
+}
+
+static void quant(int act, const float *x, int64_t n, void *out) {
+    if (act == ACT_Q8_K) quantize_q8k(x, n, (q8k_t *)out);
+    else quantize_q8a(x, n, (q8a_t *)out);
+}
+
+static void activate(int kind, float alpha, float limit, const float *h, const float *bias, int64_t I,
+                     float *a) {
+    for (int64_t i = 0; i < I; i++) {
+        float g, u;
+        if (kind == ACT_GPT_OSS) {
+            g = h[2 * i];
+            u = h[2 * i + 1];
+            if (bias) {
+                g += bias[2 * i];
+                u += bias[2 * i + 1];
+            }
+            g = g > limit ? limit : g;
+            u = u > limit ? limit : (u < -limit ? -limit : u);
+            a[i] = (u + 1.f) * (g * (1.f / (1.f + expf(-(g * alpha)))));
+            continue;
+        }
+        g = h[i];
+        u = h[I + i];
+        if (bias) {
+            g += bias[i];
+            u += bias[I + i];
+        }
+        if (kind == ACT_SILU) g = g / (1.f + expf(-g));
+        else if (kind == ACT_GELU) g = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
+        else g = 0.5f * g * (1.f + tanhf(0.79788456080286536f * (g + 0.044715f * g * g * g)));
+        a[i] = g * u;
+    }
+}
+
+typedef struct {
+    const uint8_t *w;
+    size_t rb;
+    rows_fn fn;
+    int act;
+} proj_t;
+
+/* Rows [lo, hi) of the concatenation of every expert's `rows`-row projection, for each expert's slots. */
+static void phase_rows(const proj_t *p, int64_t lo, int64_t hi, int64_t rows, int64_t n,
+                       const int64_t *off, const int32_t *slots, const char *const *act_base,
+                       const size_t *act_stride, int64_t k, int by_token, float *y, int64_t y_stride) {
+    for (int64_t e = lo / rows; e * rows < hi; e++) {
+        int64_t r0 = lo > e * rows ? lo - e * rows : 0, r1 = hi < (e + 1) * rows ? hi - e * rows : rows;
+        for (int64_t i0 = off[e]; i0 < off[e + 1]; i0 += MAX_T) {
+            int nt = (int)(off[e + 1] - i0 < MAX_T ? off[e + 1] - i0 : MAX_T);
+            const void *xs[MAX_T];
+            float *ys[MAX_T];
+            for (int i = 0; i < nt; i++) {
+                int64_t s = slots[i0 + i], row = by_token ? s / k : s;
+                xs[i] = act_base[p[e].act] + (size_t)row * act_stride[p[e].act];
+                ys[i] = y + s * y_stride;
+            }
+            p[e].fn(p[e].w, p[e].rb, r0, r1, n, xs, nt, ys);
+        }
+    }
+}
+
+/* table int64 [E, 4]: gate_up, down, gate_up bias (0: none), down bias (0: none) addresses;
+ * fmts int32 [E, 2]: their formats. slot_expert int32 [T * k]: each slot's row of the table (a
+ * token's slots ordered by expert id); slot_weight fp32 [T * k]. x [T, H] -> out [T, H]. */
+int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int64_t H, int64_t I,
+                      int64_t T, int64_t k, const int32_t *slot_expert, const float *slot_weight,
+                      const float *x, float *out, int act_kind, float alpha, float limit, int integer,
+                      int nthreads) {
+    extern void moerun_ensure_init(void);
+    moerun_ensure_init();
+    const int64_t S = T * k, R1 = 2 * I;
+    if (E <= 0 || S <= 0 || act_kind < 0 || act_kind > ACT_GPT_OSS) return -1;
+    proj_t *gu = calloc((size_t)E, sizeof *gu), *dn = calloc((size_t)E, sizeof *dn);
+    int64_t *off = calloc((size_t)E + 1, sizeof *off);
+    int32_t *slots = malloc((size_t)S * sizeof *slots);
+    int need[2][3] = {{0}};
+    int err = 0;
+    for (int64_t e = 0; e < E && !err && gu && dn; e++) {
+        for (int j = 0; j < 2; j++) {
+            int f = fmts[2 * e + j];
+            int64_t n = j ? I : H;
+            if (f < 0 || f >= F_COUNT || n % FMT[f].block) {
+                err = -2;
+                break;
+            }
+            proj_t *p = j ? &dn[e] : &gu[e];
+            p->w = (const uint8_t *)(intptr_t)table[4 * e + j];
+            p->rb = (size_t)(n / FMT[f].block * FMT[f].bytes);
+            p->act = integer ? FMT[f].act : ACT_F32;
+            p->fn = p->act == ACT_F32 ? FMT[f].exact : FMT[f].integer;
+            need[j][p->act] = 1;
+        }
+    }
+    for (int64_t s = 0; s < S && !err; s++)
+        if (slot_expert[s] < 0 || slot_expert[s] >= E) err = -3;
+    if (!err && off && slots) {
+        for (int64_t s = 0; s < S; s++) off[slot_expert[s] + 1]++;
+        for (int64_t e = 0; e < E; e++) off[e + 1] += off[e];
+        int64_t *fill = malloc((size_t)E * sizeof *fill);
+        if (fill) {
+            memcpy(fill, off, (size_t)E * sizeof *fill);
+            for (int64_t s = 0; s < S; s++) slots[fill[slot_expert[s]]++] = (int32_t)s;
+            free(fill);
+        } else err = -4;
+    }
+    size_t xk = q_bytes(ACT_Q8_K, H), x0 = q_bytes(ACT_Q8_0, H);
+    size_t ak = q_bytes(ACT_Q8_K, I), a0 = q_bytes(ACT_Q8_0, I);
+    float *h = malloc((size_t)(S * R1) * sizeof(float)), *a = malloc((size_t)(S * I) * sizeof(float));
+    float *y = malloc((size_t)(S * H) * sizeof(float));
+    char *xq_k = need[0][ACT_Q8_K] ? malloc(xk * (size_t)T) : NULL;
+    char *xq_0 = need[0][ACT_Q8_0] ? malloc(x0 * (size_t)T) : NULL;
+    char *aq_k = need[1][ACT_Q8_K] ? malloc(ak * (size_t)S) : NULL;
+    char *aq_0 = need[1][ACT_Q8_0] ? malloc(a0 * (size_t)S) : NULL;
+    if (!gu || !dn || !off || !slots || !h || !a || !y || (need[0][ACT_Q8_K] && !xq_k) ||
+        (need[0][ACT_Q8_0] && !xq_0) || (need[1][ACT_Q8_K] && !aq_k) || (need[1][ACT_Q8_0] && !aq_0))
+        err = err ? err : -4;
+    if (!err) {
+        const char *xb[3] = {(const char *)x, xq_0, xq_k}, *ab[3] = {(const char *)a, aq_0, aq_k};
+        size_t xst[3] = {(size_t)H * sizeof(float), x0, xk}, ast[3] = {(size_t)I * sizeof(float), a0, ak};
+#pragma omp parallel num_threads(nthreads)
+        {
+            int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                if (xq_k) quantize_q8k(x + t * H, H, (q8k_t *)(xq_k + t * xk));
+                if (xq_0) quantize_q8a(x + t * H, H, (q8a_t *)(xq_0 + t * x0));
+            }
+            phase_rows(gu, E * R1 * tid / nth, E * R1 * (tid + 1) / nth, R1, H, off, slots, xb, xst, k, 1,
+                       h, R1);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t s = 0; s < S; s++) {
+                int64_t e = slot_expert[s];
+                const float *bias = (const float *)(intptr_t)table[4 * e + 2];
+                activate(act_kind, alpha, limit, h + s * R1, bias, I, a + s * I);
+                if (dn[e].act != ACT_F32) quant(dn[e].act, a + s * I, I, (char *)ab[dn[e].act] + s * ast[dn[e].act]);
+            }
+            phase_rows(dn, E * H * tid / nth, E * H * (tid + 1) / nth, H, I, off, slots, ab, ast, k, 0, y, H);
+#pragma omp barrier
+            int64_t c0 = H * tid / nth, c1 = H * (tid + 1) / nth;
+            for (int64_t t = 0; t < T; t++) {
+                float *o = out + t * H;
+                for (int64_t j = 0; j < k; j++) {
+                    int64_t s = t * k + j;
+                    const float *ys = y + s * H, *bias = (const float *)(intptr_t)table[4 * slot_expert[s] + 3];
+                    float wgt = slot_weight[s];
+                    for (int64_t c = c0; c < c1; c++) {
+                        float v = (bias ? ys[c] + bias[c] : ys[c]) * wgt;
+                        o[c] = j ? o[c] + v : v;
+                    }
+                }
+            }
+        }
+    }
+    free(gu), free(dn), free(off), free(slots), free(h), free(a), free(y);
+    free(xq_k), free(xq_0), free(aq_k), free(aq_0);
+    return err;
+}

@@ -13,7 +13,17 @@ Prediction written before the first run (2-core Zen 5, ~41 GB/s copy): Q4_K inte
 threads ~25-30 GB/s (llama.cpp: ~23), Q8_0 / MXFP4 integer ~25, bf16 ~20 (exact), the generic
 variant 3-5x slower; 1 thread about 60% of 2.
 
-Usage: python bench/cpu_kernels.py [--variant avx512] [--quick]
+Prefill (`--prefill`, or as part of the full run): integer matmul of T = 256 and 512 tokens on
+[2048, 2048], [1536, 2048] (gate_up) and [2048, 768] (down) weights in GFLOP/s (2 * T * out * in per
+call), the GEMM against the row kernels (`gemm=False`) and torch's bf16 matmul on the dequantised
+weights, all measured in the same run. Weights here stay in cache between calls: prefill is compute
+bound. Prediction written before measuring with this section (after single-thread probes while
+writing the GEMM, which gave q4_k ~130 GFLOP/s on one core against torch bf16 ~210): on 2 quiet
+cores q4_k GEMM ~220, q6_k ~170, q8_0 ~130, mxfp4 ~110 GFLOP/s, the row kernels 0.7-1x of that,
+torch bf16 ~350; on this shared machine the 2-thread figures come out at about half, the median
+lower still.
+
+Usage: python bench/cpu_kernels.py [--variant avx512] [--quick] [--prefill]
 """
 
 from __future__ import annotations
@@ -112,16 +122,46 @@ def with_threads(n: int, fn):
         torch.set_num_threads(old)
 
 
+def gflops(flop: float, per: list[tuple[float, float]]) -> str:
+    """GFLOP/s from [(median, best) with 2 threads, (median, best) with 1]."""
+    return "".join(f"{flop / t / 1e9:>10.0f}" for pair in per for t in pair)
+
+
+def prefill(variant: str, formats: list[str]) -> None:
+    print("\nprefill: GFLOP/s (2 * T * out * in per call), weights in cache")
+    cols = f"{'2thr med':>10}{'2thr best':>10}{'1thr med':>10}{'1thr best':>10}"
+    print(f"{'matmul':<24}{'T':>4}  {'kernel':<16}{cols}")
+    for rows, n in ((2048, 2048), (1536, 2048), (2048, 768)):
+        for T in (256, 512):
+            x = torch.randn(T, n)
+            flop = 2 * T * rows * n
+            dense, xb = (torch.randn(rows, n) * 0.02).bfloat16(), x.bfloat16()
+            per = [with_threads(t, partial(timed, partial(torch.matmul, xb, dense.T))) for t in (2, 1)]
+            print(f"{f'[{rows}, {n}]':<24}{T:>4}  {'torch bf16':<16}{gflops(flop, per)}")
+            for fmt_name in formats:
+                w = random_weight(fmt_name, rows, n)
+                for gemm in (True, False):
+                    call = partial(cpu.matmul, fmt_name, w, x, True, variant, gemm)
+                    per = [with_threads(t, partial(timed, call)) for t in (2, 1)]
+                    kernel = f"{fmt_name} {'gemm' if gemm else 'rows'}"
+                    print(f"{'':<24}{T:>4}  {kernel:<16}{gflops(flop, per)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", default=None)
     parser.add_argument("--quick", action="store_true", help="only the hot formats")
+    parser.add_argument("--prefill", action="store_true", help="only the prefill GEMM")
     args = parser.parse_args()
     if not cpu.available():
         raise SystemExit(f"native CPU kernels unavailable: {cpu.unavailable_reason()}")
     variant = args.variant or cpu.isa()
     bw = with_threads(2, copy_bandwidth)
     print(f"variant {variant}; copy bandwidth (read + write) {bw:.1f} GB/s, 2 threads")
+    hot = ["q4_k", "q6_k", "q8_0", "mxfp4"]
+    if args.prefill:
+        prefill(variant, hot)
+        return
     formats = (
         ["q4_k", "q6_k", "q8_0", "mxfp4", "bf16"]
         if args.quick
@@ -182,6 +222,7 @@ def main() -> None:
                 mode = "integer" if integer else "exact"
                 label = f"{gu_fmt} / {dn_fmt} ({n_experts:.0f} experts)"
                 print(f"{label:<34}{T:>3}{mode:>9}{row(nbytes, per, bw)}")
+    prefill(variant, hot)
 
 
 if __name__ == "__main__":

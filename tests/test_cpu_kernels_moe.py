@@ -183,3 +183,25 @@ def test_threads_follow_torch_and_share_its_libgomp():
     with open("/proc/self/maps") as maps:
         gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) == 1 and "torch" in next(iter(gomp))
+
+
+@needs_native
+@pytest.mark.parametrize("integer", [False, True])
+def test_moe_decode_with_skewed_routing_splits_work_and_keeps_bits(integer):
+    # every token on expert 0, one token also on expert 4: the threads split rows by work (rows x
+    # tokens), so their boundaries land inside expert 0's rows; results must not depend on them
+    x, gu, dn, _, _, _, _ = make_step("q4_k", "q6_k", 8)
+    se = torch.tensor([[0, 1, 2]] * 7 + [[0, 3, 4]], dtype=torch.int32)
+    sw = torch.rand(8, 3, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.moe_decode(x, gu, dn, se, sw, GLU(), integer)
+        torch.set_num_threads(2)
+        two = cpu.moe_decode(x, gu, dn, se, sw, GLU(), integer)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one.view(torch.int32), two.view(torch.int32))
+    expected = ref.moe_decode(x, gu, dn, se, sw, GLU(), False)
+    tol = (0.05 if integer else 1e-4) * float(expected.abs().max())
+    assert (one.double() - expected).abs().max() <= tol

@@ -10,10 +10,15 @@ depends on neither the thread count nor buffer addresses. The layer builds itsel
 (`moerun.cpu.build`); where it cannot, `available()` is False and `unavailable_reason()` says why.
 The torch reference of every function here is `moerun.cpu.reference`.
 
+Prefill: on avx512, integer-mode matmul of many tokens (q4_k, q5_k from T = 16; q6_k from 64;
+q8_0 from 4; q4_0, mxfp4 from 8) runs a GEMM (native/gemm_*.c) that decodes each weight block once
+per 4 rows and token chunk; it computes every output with the row kernels' own integer sums and
+fp32 steps, so prefill equals decode (T = 1) bit for bit.
+
 Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
 exact mode for q2_k/q3_k/q5_k on every variant and for every block format on avx2; integer mode
-for q2_k/q3_k/q5_k on avx2. No prefill GEMM yet: large T is tiled (weights stay in L2) but runs the
-same per-row kernels.
+for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k, or on avx2: there, large T is
+tiled (weights stay in L2) through the row kernels.
 """
 
 from __future__ import annotations
@@ -27,7 +32,16 @@ from moerun.cpu import library
 from moerun.cpu.library import FORMAT_IDS, INTEGER_ACT, Q8_0_BYTES, Q8K_BYTES
 from moerun.quant.formats import FLOAT_DTYPES, FormatError, get_format
 
-__all__ = ["available", "unavailable_reason", "isa", "matmul", "moe_decode", "moe_decode_table", "quantize"]
+__all__ = [
+    "available",
+    "unavailable_reason",
+    "isa",
+    "gemm_formats",
+    "matmul",
+    "moe_decode",
+    "moe_decode_table",
+    "quantize",
+]
 
 Weight = tuple[str, torch.Tensor]  # (format name, uint8 [out, row_bytes] or dense [out, in])
 
@@ -46,6 +60,12 @@ def unavailable_reason() -> str | None:
 def isa() -> str:
     """The variant that runs: 'generic', 'avx2' or 'avx512' (RuntimeError where unavailable)."""
     return library.native().variant
+
+
+def gemm_formats(variant: str | None = None) -> frozenset[str]:
+    """The formats whose integer-mode matmul runs the prefill GEMM for many tokens (from T = 4 to 64,
+    per format) in `variant` (default: the dispatched one); the others run the row kernels."""
+    return library.native(variant).gemm_formats
 
 
 def _check_weight(fmt_name: str, data: torch.Tensor, n: int, what: str) -> int:
@@ -74,12 +94,19 @@ def _check_x(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def matmul(
-    fmt_name: str, data: torch.Tensor, x: torch.Tensor, integer: bool = False, variant: str | None = None
+    fmt_name: str,
+    data: torch.Tensor,
+    x: torch.Tensor,
+    integer: bool = False,
+    variant: str | None = None,
+    gemm: bool = True,
 ) -> torch.Tensor:
     """x float32 [T, in] (or [in]) times the weight's rows -> float32 [T, out] (or [out]).
 
     data: uint8 [out, row_bytes] of `fmt_name`, or (f32/f16/bf16) a dense [out, in] tensor.
-    variant: run that ISA variant instead of the dispatched one (tests, benchmarks)."""
+    variant: run that ISA variant instead of the dispatched one (tests, benchmarks).
+    gemm: False runs the row kernels for every T, where the prefill GEMM would take larger T (integer
+    mode, formats in `gemm_formats()`); the two agree bit for bit, so this only changes the speed."""
     native = library.native(variant)
     x2 = _check_x(x, "matmul").reshape(-1, x.shape[-1])
     row_bytes = _check_weight(fmt_name, data, x.shape[-1], "matmul")
@@ -93,7 +120,7 @@ def matmul(
         x2.data_ptr(),
         x2.shape[0],
         out.data_ptr(),
-        int(integer),
+        int(integer) | (0 if gemm else 2),
         torch.get_num_threads(),
     )
     library.check(rc, "moerun_matmul")

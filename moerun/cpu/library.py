@@ -71,6 +71,7 @@ class Native:
     moe_decode: ctypes._CFuncPtr
     quantize: ctypes._CFuncPtr
     threads_used: ctypes._CFuncPtr
+    gemm_formats: frozenset[str]  # formats whose integer matmul takes the prefill GEMM for larger T
 
 
 def _typed(lib: ctypes.CDLL, name: str, restype, *argtypes) -> ctypes._CFuncPtr:
@@ -140,6 +141,7 @@ def load() -> Native | str:
 
 
 def _bind(lib: ctypes.CDLL, variant: str, features: frozenset[str]) -> Native:
+    gemm_bits = _typed(lib, "moerun_gemm_formats", _i32)()
     return Native(
         variant=variant,
         cpu_features=features,
@@ -155,6 +157,7 @@ def _bind(lib: ctypes.CDLL, variant: str, features: frozenset[str]) -> Native:
         # act, x, T, n, out
         quantize=_typed(lib, "moerun_quantize", _i32, _i32, _ptr, _i64, _i64, _ptr),
         threads_used=_typed(lib, "moerun_threads_used", _i32, _i32),
+        gemm_formats=frozenset(name for name, i in FORMAT_IDS.items() if gemm_bits >> i & 1),
     )
 
 

@@ -7,6 +7,9 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "gemm.h"
+
+gemm_ops GEMM[F_COUNT];
 
 #ifndef MOERUN_VARIANT
 #define MOERUN_VARIANT "generic"
@@ -18,10 +21,20 @@ __attribute__((constructor)) void moerun_ensure_init(void) { /* runs when the li
     init_generic();
     init_avx2();
     init_avx512();
+    init_gemm_kq_avx512();
+    init_gemm_b32_avx512();
     initialised = 1;
 }
 
 const char *moerun_variant(void) { return MOERUN_VARIANT; }
+
+/* Bit f set: format f has a prefill GEMM in this variant (integer mode). */
+int moerun_gemm_formats(void) {
+    moerun_ensure_init();
+    int bits = 0;
+    for (int f = 0; f < F_COUNT; f++) bits |= (GEMM[f].run != NULL) << f;
+    return bits;
+}
 
 /* Bit 0 avx2, 1 fma, 2 f16c, 3 avx512f, 4 avx512bw, 5 avx512vl, 6 avx512vnni, 7 avx512dq,
  * 8 avx512bf16 (libgcc's checks include the OS's saving of the vector state). */
@@ -98,18 +111,46 @@ static void rows_tiled(rows_fn fn, const uint8_t *w, size_t rb, int64_t lo, int6
     }
 }
 
-/* y [T, rows] = x [T, n] @ W^T; W: rows of row_bytes bytes of format fmt. */
+/* The GEMM path: quantise every token, rearrange them (gemm_prep), then each thread's rows. */
+static int matmul_gemm(int fmt, const gemm_ops *g, const uint8_t *w, int64_t rows, int64_t n, int64_t rb,
+                       const float *x, int64_t T, float *y, int nthreads) {
+    const int act = FMT[fmt].act;
+    const size_t xb = act_bytes(act, n);
+    void *xq = alloc64(xb * (size_t)T), *xl = alloc64(g->size(fmt, T, n));
+    if (!xq || !xl) {
+        free(xq), free(xl);
+        return -4;
+    }
+    const int64_t groups = (T + GEMM_TOKENS - 1) / GEMM_TOKENS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) quantize_act(act, x + t * n, n, (char *)xq + t * xb);
+#pragma omp for schedule(static)
+        for (int64_t gi = 0; gi < groups; gi++) g->prep(fmt, xq, gi, T, n, xl);
+        int64_t lo = rows * tid / nth, hi = rows * (tid + 1) / nth;
+        if (hi > lo) g->run(fmt, w, (size_t)rb, lo, hi, n, xl, T, y, rows);
+    }
+    free(xq), free(xl);
+    return 0;
+}
+
+/* y [T, rows] = x [T, n] @ W^T; W: rows of row_bytes bytes of format fmt. integer: bit 0 integer
+ * mode, bit 1 the row kernels even where the GEMM would run (tests and benchmarks compare them). */
 int moerun_matmul(int fmt, const uint8_t *w, int64_t rows, int64_t n, int64_t row_bytes, const float *x,
                   int64_t T, float *y, int integer, int nthreads) {
     moerun_ensure_init();
     int err = check_format(fmt, n);
     if (err) return err;
     const fmt_info *f = &FMT[fmt];
-    int act = integer ? f->act : ACT_F32;
+    int act = integer & 1 ? f->act : ACT_F32;
+    if (act != ACT_F32 && GEMM[fmt].run && T >= GEMM[fmt].min_t && !(integer & 2))
+        return matmul_gemm(fmt, &GEMM[fmt], w, rows, n, row_bytes, x, T, y, nthreads);
     rows_fn fn = act == ACT_F32 ? f->exact : f->integer;
     size_t xb = act_bytes(act, n);
     void *xq = NULL;
-    if (act != ACT_F32 && !(xq = alloc64(xb * (size_t)T))) return -3;
+    if (act != ACT_F32 && !(xq = alloc64(xb * (size_t)T))) return -4;
     const char *xs_base = act == ACT_F32 ? (const char *)x : (const char *)xq;
 #pragma omp parallel num_threads(nthreads)
     {

@@ -1,7 +1,8 @@
 /* The MoE decode step as one call: gate_up of every expert of the step (each expert's rows read once
  * for all its tokens), the activation, down, and each token's ordered weighted sum, in one OpenMP
  * parallel region with barriers between the phases. Threads split the rows of all the step's experts
- * (static contiguous chunks), then the slots, then the output columns. */
+ * (static contiguous chunks of equal work: rows times the expert's tokens), then the slots, then
+ * the output columns. */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -76,6 +77,15 @@ static void phase_rows(const proj_t *p, int64_t lo, int64_t hi, int64_t rows, in
     }
 }
 
+/* The global row (of E experts' `rows`-row projections) at work b, where expert e's rows each
+ * cost its token count off[e + 1] - off[e]: splitting work 0 .. S * rows evenly gives each thread
+ * as many (row, token) products, not as many rows. Monotone in b; f(0) = 0, f(S * rows) = E * rows. */
+static int64_t work_row(int64_t b, int64_t rows, const int64_t *off, int64_t E) {
+    for (int64_t e = 0; e < E; e++)
+        if (b < off[e + 1] * rows) return e * rows + (b - off[e] * rows) / (off[e + 1] - off[e]);
+    return E * rows;
+}
+
 /* table int64 [E, 4]: gate_up, down, gate_up bias (0: none), down bias (0: none) addresses;
  * fmts int32 [E, 2]: their formats. slot_expert int32 [T * k]: each slot's row of the table (a
  * token's slots ordered by expert id); slot_weight fp32 [T * k]. x [T, H] -> out [T, H]. */
@@ -142,8 +152,8 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
                 if (xq_k) quantize_q8k(x + t * H, H, (q8k_t *)(xq_k + t * xk));
                 if (xq_0) quantize_q8a(x + t * H, H, (q8a_t *)(xq_0 + t * x0));
             }
-            phase_rows(gu, E * R1 * tid / nth, E * R1 * (tid + 1) / nth, R1, H, off, slots, xb, xst, k, 1,
-                       h, R1);
+            phase_rows(gu, work_row(S * R1 * tid / nth, R1, off, E), work_row(S * R1 * (tid + 1) / nth, R1, off, E),
+                       R1, H, off, slots, xb, xst, k, 1, h, R1);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int64_t s = 0; s < S; s++) {
@@ -152,7 +162,8 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
                 activate(act_kind, alpha, limit, h + s * R1, bias, I, a + s * I);
                 if (dn[e].act != ACT_F32) quant(dn[e].act, a + s * I, I, (char *)ab[dn[e].act] + s * ast[dn[e].act]);
             }
-            phase_rows(dn, E * H * tid / nth, E * H * (tid + 1) / nth, H, I, off, slots, ab, ast, k, 0, y, H);
+            phase_rows(dn, work_row(S * H * tid / nth, H, off, E), work_row(S * H * (tid + 1) / nth, H, off, E), H,
+                       I, off, slots, ab, ast, k, 0, y, H);
 #pragma omp barrier
             int64_t c0 = H * tid / nth, c1 = H * (tid + 1) / nth;
             for (int64_t t = 0; t < T; t++) {

@@ -1,0 +1,36 @@
+/* The prefill GEMM's contract, shared by the driver and the AVX-512 GEMM files.
+ *
+ * Integer mode only (q8_K / q8_0 activations). The activations are quantised once per call with
+ * the matvec's quantisers, rearranged once (gemm_prep) into a 64-byte aligned layout the inner
+ * kernel streams, and every weight block is decoded once per 4 rows and token chunk and reused for
+ * all the chunk's tokens. Each output element is the same sequence of integer sums and fp32
+ * operations as the integer matvec (the row kernels of avx512.c) performs for it, so the GEMM equals
+ * the matvec bit for bit whatever T, the thread count or the buffer addresses. */
+#ifndef MOERUN_GEMM_H
+#define MOERUN_GEMM_H
+#include "common.h"
+
+#define GEMM_TOKENS 4 /* tokens per micro-kernel; the layout pads T to a multiple of it */
+
+/* Bytes of the rearranged activations of T tokens of n elements for format fmt (0: no GEMM). */
+typedef size_t (*gemm_size_fn)(int fmt, int64_t T, int64_t n);
+/* Fills token group g (tokens 4g .. 4g + 3; those >= T as zeros) of the layout from xq, the
+ * matvec's q8 blocks [T][n / block] (q8k_t or q8a_t). */
+typedef void (*gemm_prep_fn)(int fmt, const void *xq, int64_t g, int64_t T, int64_t n, void *xl);
+/* y[t * y_stride + r] for rows [r0, r1) and all T tokens. */
+typedef void (*gemm_run_fn)(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n,
+                            const void *xl, int64_t T, float *y, int64_t y_stride);
+
+typedef struct {
+    int min_t; /* from this many tokens the GEMM beats the row kernels (measured; speed only) */
+    gemm_size_fn size;
+    gemm_prep_fn prep;
+    gemm_run_fn run;
+} gemm_ops;
+
+/* Per format: the GEMM of this variant, or run == NULL (the row kernels take every T). */
+extern gemm_ops GEMM[F_COUNT];
+void init_gemm_kq_avx512(void); /* q4_k, q5_k, q6_k */
+void init_gemm_b32_avx512(void); /* q8_0, q4_0, mxfp4 (both nibble orders) */
+
+#endif

@@ -15,3 +15,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     fi
 fi
 .venv/bin/python -m pip install -q -e ".[${extra}]"
+# The native CPU kernels (moerun/cpu), compiled once with the system C compiler into a cache; where
+# that fails moerun says why and runs the torch path, so the setup goes on.
+.venv/bin/python -m moerun.cpu.build >/dev/null || true

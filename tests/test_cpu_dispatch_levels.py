@@ -1,8 +1,9 @@
 """The bitwise claims (streamed == resident, the same input gives the same output, in one process
 and across processes) under every CPU dispatch level torch and its libraries honour, not only this
-machine's fastest kernels: ATen's vector width (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA)
-and MKL's code path (MKL_ENABLE_INSTRUCTIONS). A claim that holds on one vendor's kernels only
-fails here on a machine of either vendor. Slow: each level reruns those tests in a fresh process."""
+machine's fastest kernels: ATen's vector width (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA),
+MKL's code path (MKL_ENABLE_INSTRUCTIONS) and moerun's native kernel variant (MOERUN_CPU_ISA). A
+claim that holds on one vendor's kernels only fails here on a machine of either vendor. Slow: each
+level reruns those tests in a fresh process."""
 
 import os
 import subprocess
@@ -20,6 +21,7 @@ BITWISE_TESTS = [
     "test_layer.py::test_same_input_gives_bitwise_same_output",
     "test_layer.py::test_bitwise_same_output_across_processes",
     "test_placement.py",
+    "test_cpu_backend.py",
 ]
 
 LEVELS = {
@@ -28,6 +30,10 @@ LEVELS = {
     "aten-avx512": {"ATEN_CPU_CAPABILITY": "avx512"},
     "onednn-avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    # moerun's own native kernels: each variant, and none (the torch backend)
+    "moerun-generic": {"MOERUN_CPU_ISA": "generic"},
+    "moerun-avx2": {"MOERUN_CPU_ISA": "avx2"},
+    "moerun-off": {"MOERUN_CPU_ISA": "off"},
 }
 
 

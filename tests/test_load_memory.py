@@ -135,3 +135,35 @@ def test_quantize_holds_about_one_layer_not_the_output(tmp_path):
     # holding the output until the end peaked at 431 MiB here (1.27x the output); one layer at a
     # time measured 136 MiB in one venv and 177 MiB in a fresh one with the same packages
     assert peak < 0.7 * size, f"peak RSS {peak / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB output"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_quantised_gguf_model_holds_about_its_file_size(tmp_path):
+    """On the cpu backend every quantised weight stays in the file's bytes (no dequantising the
+    dense part at load): loading and a first forward peak near the file's size."""
+    from moerun import cpu
+
+    if not cpu.available():
+        pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")
+    _write_olmoe(tmp_path, torch.bfloat16, per_expert=False, layers=8)
+    gguf = tmp_path / "model.gguf"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            QUANTIZE.replace('"q8_0"]', '"q8_0", "--rest", "q8_0"]'),
+            str(tmp_path),
+            str(gguf),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(gguf)], capture_output=True, text=True, check=True
+    )
+    peak, size = int(out.stdout.split()[-1]), gguf.stat().st_size
+    # measured: the file's bytes once, and ~24 MiB of first-forward buffers
+    assert peak <= 1.3 * size, (
+        f"peak RSS above baseline {peak / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file"
+    )

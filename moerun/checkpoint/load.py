@@ -22,7 +22,7 @@ from moerun.families import family
 from moerun.loader import CheckpointError, GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.loader.hf_config import read_hf_config
 from moerun.loader.mapped import MappedFile
-from moerun.moe.backends import resolve_backend
+from moerun.moe.backends import KernelOptions, resolve_backend
 from moerun.moe.layer import FP32_TENSORS
 from moerun.offload import CacheBudgetError, ExpertCache, ExpertStore
 from moerun.offload.budget import KV_RESERVE_TOKENS, auto_budget, free_device_memory
@@ -107,6 +107,7 @@ def load(
     host_cache_gb: float = 0.0,
     dequant_cache_gb: float = 0.0,
     progress: Callable[[int, int], None] | None = None,
+    int8_activations: bool | None = None,
 ) -> MoEModel:
     """Open a checkpoint: a Hugging Face safetensors directory (or a hub id found in the local
     cache) or a GGUF file.
@@ -116,7 +117,12 @@ def load(
     experts is refused with the minimum. `prefetch_k`: with streaming, load that many of the next
     MoE layer's predicted experts while a layer computes. `host_cache_gb`: with streaming, keep up to
     this many GB of recently read experts in host RAM (pinned on CUDA), so a re-fetched expert is a
-    memory copy, not a file read. `progress(done, total)` is told as layers are placed."""
+    memory copy, not a file read. `progress(done, total)` is told as layers are placed.
+
+    `backend`: "auto" picks triton on CUDA, on a CPU "cpu" (the native kernels, weights kept in the
+    file's format) where they run, else "torch". `int8_activations`: quantise activations per block
+    to int8 for integer dot products, as llama.cpp does (faster; None: on for bf16/f16 on the cpu
+    backend, off for fp32, whose logits then stay within 1e-4 of the fp32 reference)."""
     if prefetch_k and expert_cache_gb is None:
         raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
     if host_cache_gb and expert_cache_gb is None:
@@ -175,6 +181,7 @@ def load(
         expert_cache=expert_cache,
         prefetch_k=prefetch_k,
         tokenizer=tokenizer,
+        options=KernelOptions(int8_activations=int8_activations),
     )
 
 

@@ -13,6 +13,8 @@ import torch
 from moerun.moe.backends import BACKENDS
 from moerun.quant.formats import COMPUTE_DTYPES
 
+ACTIVATION_MODES = {"auto": None, "int8": True, "exact": False}  # --activations -> int8_activations
+
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF checkpoint directory, .gguf file or cached hub id")
@@ -22,7 +24,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=BACKENDS,
         default="auto",
-        help="expert kernels: auto picks triton on CUDA, torch elsewhere",
+        help="kernels: auto picks triton on CUDA, cpu (native kernels) on a CPU where they run, else torch",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=sorted(ACTIVATION_MODES),
+        default="auto",
+        help="int8: activations quantised per block for integer dot products, as llama.cpp does; exact: "
+        "fp32 activations (within 1e-4 of the reference); auto: int8 for bf16/f16, exact for fp32",
     )
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default 256)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -83,6 +92,7 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
         prefetch_k=getattr(args, "prefetch_k", None),
         host_cache_gb=getattr(args, "host_cache_gb", 0.0),
         progress=progress,
+        int8_activations=ACTIVATION_MODES[getattr(args, "activations", "auto")],
     )
     err.write(f"\rloaded {args.model} in {time.perf_counter() - start:.1f} s{' ' * 40}\n")
     return model

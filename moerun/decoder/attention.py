@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from moerun.decoder.config import AttentionSpec
-from moerun.decoder.linear import linear
 from moerun.decoder.norm import rms_norm
 from moerun.decoder.rope import Rotary
+from moerun.linear import Linear, linear
 
 
 class Attention:
@@ -28,12 +28,15 @@ class Attention:
         tensors: Mapping[str, torch.Tensor],
         rotary: Rotary,
         sliding_window: int | None = None,
+        project: Linear = linear,
     ):
+        """`project`: how the q, k, v and o projections compute (moerun.linear, as the model chose)."""
         self.spec, self.t, self.rotary, self.window = spec, dict(tensors), rotary, sliding_window
         self.groups = spec.heads // spec.kv_heads
+        self.project = project
 
     def _project(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return linear(x, self.t[f"{name}.weight"], self.t.get(f"{name}.bias"))
+        return self.project(x, self.t[f"{name}.weight"], self.t.get(f"{name}.bias"))
 
     def __call__(
         self,

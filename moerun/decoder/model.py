@@ -15,16 +15,17 @@ import torch.nn.functional as F
 from moerun.decoder.attention import Attention
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.kv_cache import KVCache
-from moerun.decoder.linear import linear
 from moerun.decoder.norm import rms_norm
 from moerun.decoder.rope import Rotary
 from moerun.generate import Generator, Token
+from moerun.linear import Linear, linear
+from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from moerun.moe.layer import MoELayer, StateDictError, tensor_problems
 from moerun.moe.routing import RouterCheck, raise_on_bad_router_logits, router_logits
 from moerun.offload import ExpertCache, LayerStream
 from moerun.placement import place
 from moerun.quant.cache import DequantCache
-from moerun.quant.dequant import dequantize
+from moerun.quant.dequant import dequantize, dequantize_bytes
 from moerun.quant.formats import QTensor
 from moerun.text.tokenizer import Tokenizer
 
@@ -34,12 +35,12 @@ class ContextError(ValueError):
 
 
 class DenseMLP:
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, activation):
-        self.gate_up, self.down, self.activation = gate_up, down, activation
+    def __init__(self, gate_up, down, activation, project: Linear = linear):
+        self.gate_up, self.down, self.activation, self.project = gate_up, down, activation, project
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.activation(linear(x, self.gate_up).float()).to(x.dtype)  # [B, T, I]
-        return linear(h, self.down)
+        h = self.activation(self.project(x, self.gate_up).float()).to(x.dtype)  # [B, T, I]
+        return self.project(h, self.down)
 
 
 class MoEModel:
@@ -56,23 +57,34 @@ class MoEModel:
         expert_cache: ExpertCache | None = None,
         prefetch_k: int | None = None,
         tokenizer: Tokenizer | None = None,
+        options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
     ):
-        """`progress(done, total)` is called as layers are placed (for a loading bar).
-        `expert_cache`: stream the routed experts through it (moerun.offload) instead of placing them
-        all on the device; `prefetch_k`: while a MoE layer computes, start loading that many of the
-        next MoE layer's experts as predicted by its router on the current hidden state."""
+        """`backend`: a resolved backend name (moerun.moe.backends); with "cpu" every linear runs on
+        the native CPU kernels and quantised weights stay in the file's format, else they are
+        dequantised here. `progress(done, total)` is called as layers are placed (for a loading
+        bar). `expert_cache`: stream the routed experts through it (moerun.offload) instead of
+        placing them all on the device; `prefetch_k`: while a MoE layer computes, start loading that
+        many of the next MoE layer's experts as predicted by its router on the current hidden state.
+        `options`: how the kernels compute (int8 activations or not)."""
         check_model_tensors(config, tensors)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.expert_cache, self.prefetch_k = expert_cache, prefetch_k or 0
         self.tokenizer = tokenizer  # text prompts and outputs; None: ids only
         self.prefill_chunk = prefill_chunk
         self.generator = Generator(self)
+        native = backend == "cpu"
+        self.project: Linear = (
+            functools.partial(linear, native=True, integer=options.int8_on_cpu(dtype)) if native else linear
+        )
 
-        def dense(name: str) -> torch.Tensor:
+        def dense(name: str) -> torch.Tensor | QTensor:
             t = tensors[name]
-            t = dequantize(t) if isinstance(t, QTensor) else t
             # streaming: the dense part is resident, off the file's map (only the store reads the file)
-            return place(t, self.device, dtype, own=expert_cache is not None)
+            own = expert_cache is not None
+            if isinstance(t, QTensor) and native and len(t.shape) == 2:  # a linear's weight, kept as stored
+                return QTensor(t.format, t.shape, place(t.data, self.device, own=own))
+            t = dequantize(t) if isinstance(t, QTensor) else t
+            return place(t, self.device, dtype, own=own)
 
         self.embed = dense("embed.weight")  # [V, H]
         self.lm_head = self.embed if config.tie_embeddings else dense("lm_head.weight")
@@ -87,7 +99,9 @@ class MoEModel:
             self.mlp_norms.append(dense(p + "mlp_norm.weight"))
             attn_tensors = {k: dense(p + "attn." + k) for k in config.attention.tensor_shapes()}
             self.attentions.append(
-                Attention(config.attention, attn_tensors, self.rotary, config.sliding_windows[i])
+                Attention(
+                    config.attention, attn_tensors, self.rotary, config.sliding_windows[i], self.project
+                )
             )
             if config.moe_layers[i]:
                 moe = {k: tensors[p + "moe." + k] for k in config.moe.tensor_shapes()}
@@ -101,11 +115,12 @@ class MoEModel:
                         backend=backend,
                         dequant_cache=dequant_cache,
                         stream=LayerStream(expert_cache, p + "moe") if expert_cache is not None else None,
+                        options=options,
                     )
                 )
             else:
                 act = config.dense_activation
-                self.mlps.append(DenseMLP(dense(p + "mlp.gate_up"), dense(p + "mlp.down"), act))
+                self.mlps.append(DenseMLP(dense(p + "mlp.gate_up"), dense(p + "mlp.down"), act, self.project))
         moe_layers = [i for i, moe in enumerate(config.moe_layers) if moe]
         self._next_moe = {a: b for a, b in zip(moe_layers, moe_layers[1:], strict=False)}
         self._moes = [self.mlps[i] for i in moe_layers]
@@ -127,7 +142,7 @@ class MoEModel:
         eps = self.config.norm_eps
         positions = torch.arange(start, start + T, device=self.device)
         cos_sin = self.rotary.cos_sin(positions, self.dtype)
-        x = F.embedding(ids.to(self.device), self.embed)  # [B, T, H]
+        x = self._embed(ids.to(self.device))  # [B, T, H]
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
         # each MoE layer's router-logit check, read back once for the whole pass rather than once a
@@ -169,7 +184,16 @@ class MoEModel:
 
     def hidden_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., H] -> logits fp32 [..., vocab]."""
-        return linear(hidden, self.lm_head).float()
+        return self.project(hidden, self.lm_head).float()
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> their embedding rows [B, T, H] in the compute dtype (a quantised table's
+        rows are dequantised as they are looked up)."""
+        if isinstance(self.embed, QTensor):
+            rows = self.embed.data[ids.reshape(-1)]  # [B*T, row_bytes]
+            # a few rows: the torch dequantiser (numba would compile, costing more than it saves)
+            return dequantize_bytes(self.embed.format, rows, self.dtype, numba=False).view(*ids.shape, -1)
+        return F.embedding(ids, self.embed)
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ class ExpertWeights:
         self.quantised = isinstance(gate_up, QTensor) or isinstance(down, QTensor)
         self.stream = stream  # moerun.offload.LayerStream, or None: every expert resident
 
-    def _expert(self, projection: str, e: int) -> Weight:
+    def stored(self, projection: str, e: int) -> Weight:
         """Expert e's weights of `projection`: [out, in] dense, or a QTensor of one expert."""
         weight = self.gate_up if projection == "gate_up" else self.down
         if self.stream is None:
@@ -55,17 +55,17 @@ class ExpertWeights:
     def dense(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2I, H], down [H, I]) as dense tensors in the compute dtype."""
         if not self.quantised:
-            return self._expert("gate_up", e), self._expert("down", e)
+            return self.stored("gate_up", e), self.stored("down", e)
         if self.cache is None:
             return self._dequantised(e)
         return self.cache.get((self.layer_name, e, self.dtype), lambda: self._dequantised(e))
 
     def _dequantised(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _dense(self._expert("gate_up", e), self.dtype), _dense(self._expert("down", e), self.dtype)
+        return _dense(self.stored("gate_up", e), self.dtype), _dense(self.stored("down", e), self.dtype)
 
     def matvec(self, projection: str, e: int, x: torch.Tensor) -> torch.Tensor:
         """W_e · x for projection "gate_up" or "down" of expert e; x [in] -> [out] in the compute dtype."""
-        weight = self._expert(projection, e)
+        weight = self.stored(projection, e)
         x = x.to(self.dtype)
         if not isinstance(weight, QTensor):
             return torch.mv(weight, x)

@@ -240,13 +240,13 @@ class MoELayer:
                 plan = backend.batch_plan(ids, weights, spec.num_experts)
             with trace.stage("experts", x.device):
                 rows = backend.expert_rows(
-                    x, plan, self.experts, spec.activation, self.workspace
+                    x, plan, self.experts, spec.activation, self.workspace, self.options
                 )  # [T*k, H] fp32
             with trace.stage("combine", x.device):
                 out = backend.combine(rows, plan, self.workspace)  # [T, H] fp32
         if spec.shared_intermediate:
             with trace.stage("shared", x.device):
-                out = out + backend.shared_expert(x, t, spec.activation)
+                out = out + backend.shared_expert(x, t, spec.activation, self.options)
         trace.finish(x.shape[0])
         return out.to(x.dtype)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moerun.activations import Activation
-from moerun.moe.backends import KernelOptions
+from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
 from moerun.moe.plan import BatchedPlan, TokenPlan, build_plan, build_token_plan
@@ -33,7 +33,12 @@ def _expert_forward(x: torch.Tensor, experts: ExpertWeights, e: int, act: Activa
 
 
 def expert_rows(
-    x: torch.Tensor, plan: BatchedPlan, experts: ExpertWeights, act: Activation, ws: Workspace
+    x: torch.Tensor,
+    plan: BatchedPlan,
+    experts: ExpertWeights,
+    act: Activation,
+    ws: Workspace,
+    options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
 ) -> torch.Tensor:
     """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order
     (a view of `ws`, valid until the next call)."""
@@ -88,11 +93,16 @@ def token_forward(
     x: torch.Tensor, plan: TokenPlan, experts: ExpertWeights, act: Activation, options: KernelOptions
 ) -> torch.Tensor:
     """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order
-    (`options` ask nothing of this backend yet)."""
+    (`options` ask nothing of this backend: it is the reference)."""
     return combine_token(token_rows(x, plan, experts, act))
 
 
-def shared_expert(x: torch.Tensor, t: Mapping[str, torch.Tensor], act: Activation) -> torch.Tensor:
+def shared_expert(
+    x: torch.Tensor,
+    t: Mapping[str, torch.Tensor],
+    act: Activation,
+    options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
+) -> torch.Tensor:
     """x [T, H] -> the shared expert's output [T, H] fp32 (times sigmoid(x · gate) when gated)."""
     gate_up, down = t["shared.gate_up"], t["shared.down"]
     y = F.linear(act(F.linear(x.to(gate_up.dtype), gate_up).float()).to(down.dtype), down).float()

@@ -88,7 +88,7 @@ class _Prepared:
         self.graph: GraphedStep | None = None
         # decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q2_k..q6_k,
         # mxfp4) on q8_1 activations, as llama.cpp's mmvq does
-        self.use_q8_1 = options.int8_activations
+        self.use_q8_1 = bool(options.int8_activations)  # None: off until measured on a GPU
 
     def slots(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """int32 [k]: where each expert's weights are in the tensors the kernels read."""
@@ -141,7 +141,12 @@ def _prepared(
 
 # ------------------------------------------------------------------------------------- prefill
 def expert_rows(
-    x: torch.Tensor, plan: DevicePlan, experts: ExpertWeights, act: Activation, ws: Workspace
+    x: torch.Tensor,
+    plan: DevicePlan,
+    experts: ExpertWeights,
+    act: Activation,
+    ws: Workspace,
+    options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
 ) -> torch.Tensor:
     """x [T, H] -> weighted expert outputs [max_rows, H] fp32 in padded plan order."""
     p = _prepared(experts, x.device)

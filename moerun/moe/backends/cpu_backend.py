@@ -1,0 +1,166 @@
+"""The cpu backend: the MoE layer on moerun's native CPU kernels (moerun.cpu), weights in the file's
+format.
+
+Decode (one token) is ONE native call: a pointer table over the token's k experts (resident: rows
+of the layer's [E, ...] tensors; streamed: the cache's slots, which never move), then gate/up of all
+k, the activation with the routing weight, down and the ordered row sum in one parallel region.
+Prefill gathers each expert's rows and runs its two projections through the native matmul (a dense
+expert with many rows goes through torch's GEMM, as moerun.linear decides); the combine is the torch
+backend's, summing each token's rows in plan order. `options.int8_activations`: activations quantised
+per block to int8 for integer dot products, as llama.cpp does (None: on unless the compute dtype is
+fp32, whose users ask for the exact numbers).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from moerun import cpu
+from moerun.activations import Activation
+from moerun.cpu.library import FORMAT_IDS
+from moerun.linear import linear, native_weight
+from moerun.moe.backends import KernelOptions
+from moerun.moe.backends.torch_backend import batch_plan, combine, token_plan  # noqa: F401
+from moerun.moe.backends.workspace import Workspace
+from moerun.moe.experts import ExpertWeights
+from moerun.moe.plan import BatchedPlan, TokenPlan
+from moerun.quant.formats import QTensor
+
+STREAMS_PREFILL = True  # prefill visits experts one by one, so a stream can fetch them in groups
+
+
+def unsupported(experts: ExpertWeights) -> str | None:
+    """Why the native kernels cannot run these experts (None: they can)."""
+    if not cpu.available():
+        return f"the native CPU kernels are not available ({cpu.unavailable_reason()})"
+    return None
+
+
+@dataclass(frozen=True)
+class _Column:
+    """Where expert (or slot) i's part of one projection or bias lies: base + i * stride bytes."""
+
+    base: int
+    stride: int
+
+    @classmethod
+    def of(cls, stacked: torch.Tensor | None) -> _Column:
+        if stacked is None:
+            return cls(0, 0)
+        return cls(stacked.data_ptr(), stacked.stride(0) * stacked.element_size())
+
+    def at(self, i: int) -> int:
+        return self.base + i * self.stride if self.base else 0
+
+
+class _Table:
+    """One layer's experts as the native decode step reads them. The tensors never move (resident
+    weights, or the cache's slot pool), so their addresses are read once."""
+
+    def __init__(self, experts: ExpertWeights):
+        if experts.stream is None:
+            stacked = [native_weight(w) for w in (experts.gate_up, experts.down)]
+        else:  # the cache's slot pool [S, ...], in the compute dtype or the file's format
+            pools = experts.stream.cache.pool_buffers(experts.stream.layer)
+            stacked = [
+                (_format(w, pools[p]), pools[p])
+                for w, p in ((experts.gate_up, "gate_up"), (experts.down, "down"))
+            ]
+        self.formats = [FORMAT_IDS[fmt] for fmt, _ in stacked]
+        self.weights = tuple(_Column.of(t) for _, t in stacked)  # indexed by expert, or by slot
+        # the kernels add fp32 biases; kept here, as the columns point into them
+        self._biases = [
+            None if b is None else b.float().contiguous() for b in (experts.gate_up_bias, experts.down_bias)
+        ]
+        self.biases = tuple(_Column.of(b) for b in self._biases)  # indexed by expert
+        self.intermediate = experts.down.shape[-1]
+
+    def rows(self, experts: list[int], places: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pointer table int64 [k, 4] and formats int32 [k, 2] of `experts`, whose weights are
+        at `places` (their own ids, or their cache slots)."""
+        (gu, dn), (gub, dnb) = self.weights, self.biases
+        table = [[gu.at(p), dn.at(p), gub.at(e), dnb.at(e)] for e, p in zip(experts, places, strict=True)]
+        formats = torch.tensor([self.formats] * len(experts), dtype=torch.int32)
+        return torch.tensor(table, dtype=torch.int64), formats
+
+
+def _format(weight, pool: torch.Tensor) -> str:
+    """The format name of a streamed projection's slots: the file's block format, or the pool's dtype."""
+    return weight.format.name if isinstance(weight, QTensor) else native_weight(pool)[0]
+
+
+_TABLES: weakref.WeakKeyDictionary[ExpertWeights, _Table] = weakref.WeakKeyDictionary()
+
+
+def _table(experts: ExpertWeights) -> _Table:
+    table = _TABLES.get(experts)
+    if table is None:
+        table = _TABLES[experts] = _Table(experts)
+    return table
+
+
+def token_forward(
+    x: torch.Tensor, plan: TokenPlan, experts: ExpertWeights, act: Activation, options: KernelOptions
+) -> torch.Tensor:
+    """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
+    table = _table(experts)
+    places = plan.experts
+    if experts.stream is not None:
+        places = experts.stream.slot_ids(torch.tensor(plan.experts)).tolist()
+    pointers, formats = table.rows(plan.experts, places)
+    k = len(plan.experts)
+    out = cpu.moe_decode_table(
+        x.float().reshape(1, -1),
+        pointers,
+        formats,
+        table.intermediate,
+        torch.arange(k, dtype=torch.int32).reshape(1, k),
+        plan.weights.float().reshape(1, k).contiguous(),
+        act,
+        integer=options.int8_on_cpu(experts.dtype),
+    )
+    return out[0]
+
+
+def expert_rows(
+    x: torch.Tensor,
+    plan: BatchedPlan,
+    experts: ExpertWeights,
+    act: Activation,
+    ws: Workspace,
+    options: KernelOptions,
+) -> torch.Tensor:
+    """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order (a
+    view of `ws`, valid until the next call)."""
+    integer = options.int8_on_cpu(experts.dtype)
+    num_rows = plan.order.numel()
+    rows = ws.get("rows", (num_rows, x.shape[1]), torch.float32, x.device)
+    gathered = torch.index_select(x, 0, plan.row_tokens)  # [T*k, H]
+    offsets = plan.offsets.tolist()
+    for e in range(len(offsets) - 1):
+        start, end = offsets[e], offsets[e + 1]
+        if start == end:
+            continue
+        gate_up, down = experts.stored("gate_up", e), experts.stored("down", e)
+        h = linear(gathered[start:end], gate_up, experts.bias("gate_up", e), True, integer)  # [R, 2I]
+        a = act(h.float()).to(x.dtype)  # [R, I]
+        y = linear(a, down, experts.bias("down", e), True, integer).float()  # [R, H]
+        torch.mul(y, plan.row_weights[start:end, None], out=rows[start:end])
+    return rows
+
+
+def shared_expert(
+    x: torch.Tensor, t: Mapping[str, torch.Tensor], act: Activation, options: KernelOptions
+) -> torch.Tensor:
+    """x [T, H] -> the shared expert's output [T, H] fp32 (times sigmoid(x · gate) when gated)."""
+    integer = options.int8_on_cpu(x.dtype)
+    h = linear(x, t["shared.gate_up"], native=True, integer=integer)
+    y = linear(act(h.float()).to(x.dtype), t["shared.down"], native=True, integer=integer).float()
+    gate = t.get("shared.gate")
+    if gate is not None:
+        y = y * torch.sigmoid(torch.nn.functional.linear(x.float(), gate))  # [T, 1]
+    return y

@@ -1,9 +1,21 @@
-"""`moerun bench --model` on a tiny model: it runs, and its two contenders agree (they share weights)."""
+"""`moerun bench --model` on a tiny model: it runs, and its two contenders agree (they share weights).
+`moerun bench --model PATH` on a tiny GGUF file and HF directory: its figures are self-consistent and
+its bytes per token match a count made here from the file's tensors, and what it times computes the
+model's logits."""
 
+import json
+
+import numpy as np
+import pytest
 import torch
-from hf_models import TINY_OLMOE
+from conftest import rel_err
+from gguf_from_hf import GGUF_OVERRIDES, QUANT_SIZES, write_gguf
+from hf_models import TINY_OLMOE, make_model, save_model
 
+from moerun.bench import model as bench_model
+from moerun.bench.checkpoint import MoerunContender, compare_logits, format_checkpoint_table, greedy_tokens
 from moerun.bench.model import build_pair, format_model_table, run_model_bench
+from moerun.cli import main
 
 
 def test_the_pair_shares_weights_and_agrees_in_fp32():
@@ -21,3 +33,114 @@ def test_model_bench_reports_both_contenders():
     assert r["peer_max_rel_diff"] <= 1e-4 and r["same_greedy_last_token"]
     assert r["prefill_tok_s"] > 0 and r["decode_vs_peer"] > 0
     assert "decode" in format_model_table(r)
+
+
+# --- `moerun bench --model PATH`: a checkpoint moerun loads ---
+
+
+def _reference_bytes_per_token(named_bytes: dict[str, int], vocab: int, top_k: int, experts: int) -> int:
+    """Bytes one decode token reads, from {tensor name: bytes}: one embedding row, k of E experts,
+    everything else whole (the lm_head included)."""
+    total = 0
+    for name, nbytes in named_bytes.items():
+        if "embed" in name or name == "token_embd.weight":
+            total += nbytes // vocab
+        elif "experts" in name or "_exps." in name:
+            total += nbytes * top_k // experts
+        else:
+            total += nbytes
+    return total
+
+
+def _gguf_named_bytes(path) -> dict[str, int]:
+    """Each tensor's bytes from its shape and ggml type, as the gguf package reads them."""
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES
+
+    named = {}
+    for t in gguf.GGUFReader(path).tensors:
+        block, size = GGML_QUANT_SIZES[t.tensor_type]
+        named[t.name] = int(np.prod(t.shape)) // block * size
+    return named
+
+
+def _bench(capsys, path, *extra: str) -> dict:
+    argv = ["bench", "--model", str(path), "--dtype", "fp32", "--prefill-tokens", "24"]
+    assert main([*argv, "--decode-steps", "4", "--repeats", "2", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _self_consistent(r: dict) -> None:
+    assert r["decode_tok_s"] == pytest.approx(1 / r["decode_step_s"])
+    assert r["decode_total_s"] >= r["decode_step_s"]  # the total of 4 steps
+    assert r["prefill_tok_s"] == pytest.approx(r["prefill_tokens"] / r["prefill_s"])
+    assert r["decode_bytes_per_s"] == pytest.approx(r["bytes_per_token"] * r["decode_tok_s"])
+    assert r["decode_copy_fraction"] == pytest.approx(r["decode_bytes_per_s"] / r["copy_bytes_per_s"])
+    assert r["peer"] is None and r["peer_note"] == "no --peer"
+    assert "no peer (no --peer)" in format_checkpoint_table(r)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3():
+    """A tiny Qwen3-MoE whose rows are whole q8_0 blocks (hidden 32, expert intermediate 256)."""
+    return make_model("qwen3_moe", **GGUF_OVERRIDES["qwen3_moe"], **QUANT_SIZES["qwen3_moe"])
+
+
+def test_checkpoint_bench_on_a_gguf_file(tmp_path, capsys, tiny_qwen3):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tiny_qwen3, path, experts="q8_0")  # the rest in f32
+    r = _bench(capsys, path)
+    c = tiny_qwen3.config
+    expected = _reference_bytes_per_token(
+        _gguf_named_bytes(path), c.vocab_size, c.num_experts_per_tok, c.num_experts
+    )
+    # loaded in fp32, moerun holds every tensor as the file stores it: the two counts are one
+    assert r["file_bytes_per_token"] == expected and r["bytes_per_token"] == expected
+    assert (r["checkpoint"], r["model_type"], r["layers"], r["experts"]) == ("gguf", "qwen3_moe", 3, 4)
+    _self_consistent(r)
+
+
+def test_checkpoint_bench_on_a_hf_directory(tmp_path, capsys, tiny_qwen3):
+    save_model(tiny_qwen3, tmp_path / "hf")
+    r = _bench(capsys, tmp_path / "hf")
+    c = tiny_qwen3.config
+    named = {name: t.numel() * 4 for name, t in tiny_qwen3.state_dict().items()}  # fp32
+    assert r["bytes_per_token"] == _reference_bytes_per_token(
+        named, c.vocab_size, c.num_experts_per_tok, c.num_experts
+    )
+    assert r["file_bytes_per_token"] is None and r["checkpoint"] == "hf"
+    _self_consistent(r)
+
+
+def test_the_contender_computes_what_logits_computes(tmp_path, tiny_qwen3):
+    """Its cache, reused run after run, gives the logits of a fresh pass over the same ids."""
+    from moerun.checkpoint.load import load
+
+    model = load(save_model(tiny_qwen3, tmp_path / "hf"), dtype=torch.float32)
+    contender = MoerunContender(model, capacity=40)
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    tokens = greedy_tokens(contender, ids[:12], 4)
+    for _ in range(2):  # the second run reuses the first's buffers
+        prompt_logits = contender.prefill(ids[:12])
+        steps = [contender.step(t) for t in tokens]
+    full = model.logits(torch.tensor([ids[:12] + tokens]))[0]  # [16, V]
+    assert rel_err(prompt_logits, full[11]) <= 1e-5
+    for i, step in enumerate(steps):
+        assert rel_err(step, full[12 + i]) <= 1e-5
+    assert tokens == [int(full[11 + i].argmax()) for i in range(4)]  # greedy
+    assert tokens == [t.id for t in model.generate(ids[:12], max_new_tokens=4)]
+
+
+def test_compare_logits_closed_form():
+    ours = torch.tensor([[1.0, 2.0, 0.0], [0.0, 1.0, 3.0]])
+    theirs = torch.tensor([[1.0, 1.5, 0.0], [0.0, 4.0, 2.0]])
+    r = compare_logits(ours, theirs)
+    assert r == {"compared_positions": 2, "logits_max_rel_diff": 3.0 / 4.0, "top1_agreement": 0.5}
+
+
+def test_model_without_a_path_is_still_the_generated_model(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(bench_model, "run_model_bench", lambda **kw: calls.append(kw) or {"ran": True})
+    assert main(["bench", "--model", "--layers", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"ran": True}
+    assert calls[0]["layers"] == 1 and calls[0]["prompt_tokens"] == 512

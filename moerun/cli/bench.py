@@ -1,5 +1,6 @@
 """`moerun bench`: one MoE layer with a real model's shapes against transformers' block (the
-default), a whole generated model (--model), or expert streaming (--offload); a table or --json."""
+default), a whole generated model (--model), a checkpoint (--model PATH, with --peer llama.cpp on a
+GGUF file), or expert streaming (--offload); a table or --json."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default="bf16")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: triton on CUDA")
-    bench.add_argument("--prefill-tokens", type=int, default=512)
+    bench.add_argument(
+        "--prefill-tokens", type=int, help="prefill prompt length (default 512; --model PATH: 256)"
+    )
     bench.add_argument("--decode-steps", type=int, default=32)
     bench.add_argument(
         "--peer-impl",
@@ -38,9 +41,19 @@ def add_parser(commands) -> None:
     bench.add_argument("--no-peer", action="store_true", help="skip transformers' block")
     bench.add_argument(
         "--model",
-        action="store_true",
-        help="a whole generated OLMoE-shaped model against transformers' model (needs transformers)",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="a checkpoint (.gguf file or HF directory) moerun loads; without PATH, a whole generated "
+        "OLMoE-shaped model against transformers' model (needs transformers)",
     )
+    bench.add_argument(
+        "--peer",
+        choices=["llama.cpp"],
+        help="with --model FILE.gguf: llama.cpp on the same file in the same run (needs llama-cpp-python)",
+    )
+    bench.add_argument("--repeats", type=int, default=3, help="with --model: repetitions of each measurement")
     bench.add_argument(
         "--offload",
         action="store_true",
@@ -65,8 +78,28 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"... {message}", file=sys.stderr, flush=True)
 
-    if args.model and args.offload:
+    if args.model is not None and args.offload:
         raise SystemExit("moerun bench: give --model or --offload, not both.")
+    if args.peer and not args.model:
+        from moerun.bench.llama_cpp import check_peer
+
+        check_peer(None)  # refuses in one sentence
+    if args.model:
+        from moerun.bench.checkpoint import format_checkpoint_table, run_checkpoint_bench
+
+        results = run_checkpoint_bench(
+            args.model,
+            dtype=args.dtype,
+            prefill_tokens=args.prefill_tokens or 256,
+            decode_steps=args.decode_steps,
+            repeats=args.repeats,
+            peer=args.peer,
+            device=args.device or "cpu",
+            backend=args.backend,
+            log=log,
+        )
+        print(json.dumps(results) if args.json else format_checkpoint_table(results))
+        return 0
     if args.offload:
         from moerun.bench.offload import format_offload_table, run_offload_bench
 
@@ -79,14 +112,15 @@ def run(args: argparse.Namespace) -> int:
         )
         print(json.dumps(results) if args.json else format_offload_table(results))
         return 0
-    if args.model:
+    if args.model is not None:
         from moerun.bench.model import format_model_table, run_model_bench
 
         results = run_model_bench(
             layers=args.layers or 4,
             dtype=args.dtype,
-            prompt_tokens=args.prefill_tokens,
+            prompt_tokens=args.prefill_tokens or 512,
             decode_steps=args.decode_steps,
+            repeats=args.repeats,
             device=args.device,
             backend=args.backend,
             log=log,
@@ -98,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         shape_name=args.shape,
         dtype=args.dtype,
         device=args.device,
-        prefill_tokens=args.prefill_tokens,
+        prefill_tokens=args.prefill_tokens or 512,
         decode_steps=args.decode_steps,
         peer=not args.no_peer,
         formats=_formats(args),

@@ -1,0 +1,213 @@
+"""Write a Qwen3-MoE-shaped GGUF file for `moerun bench --model FILE --peer llama.cpp`.
+
+The layer shapes are Qwen3-30B-A3B's (hidden 2048, expert intermediate 768, 32 query heads and 4 KV
+heads of head_dim 128, top-8 routing), with 64 experts, 4 layers and a 32000-token vocabulary, so
+the file is small enough to make and run in minutes yet reads like the real model per layer. Weights
+are random, N(0, 0.02) in F16 (norms 1, the router in F32 as llama.cpp keeps it); the vocabulary is a
+SentencePiece-style one (<unk> <s> </s>, the 256 <0xNN> byte tokens, ▁ (a space), then letter strings
+with and without it in front) that llama.cpp and moerun both read. The F16 file is written with the
+`gguf` package and then quantised by llama.cpp itself (`llama_cpp.llama_model_quantize`, as
+llama-quantize does), so the quantised tensors are exactly what llama.cpp writes; finally the script
+checks that moerun loads the result.
+
+Rerun the comparison (llama-cpp-python installed: `pip install llama-cpp-python`, it builds for minutes):
+
+    .venv/bin/python scripts/make_peer_gguf.py /tmp/peer-q4_k_m.gguf --ftype q4_k_m
+    .venv/bin/moerun bench --model /tmp/peer-q4_k_m.gguf --peer llama.cpp
+
+`--ftype f16` writes the F16 file only (no llama.cpp needed); `--layers`, `--experts` and the other
+shape options change the shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+# llama.cpp's llama_ftype values (include/llama.h), by the names llama-quantize takes
+FTYPES = {"q8_0": 7, "q4_k_m": 15, "q6_k": 18, "mxfp4": 38}
+ARCH = "qwen3moe"
+
+
+@dataclass(frozen=True)
+class PeerShape:
+    hidden: int = 2048
+    expert_intermediate: int = 768
+    heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+    experts: int = 64
+    top_k: int = 8
+    layers: int = 4
+    vocab: int = 32000
+    context: int = 4096
+    dense_intermediate: int = 6144  # Qwen3-30B-A3B's intermediate_size (no layer uses it)
+
+
+def vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary of `size` tokens: (tokens, scores, llama.cpp token types)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁"]
+    types = [2, 3, 3] + [6] * 256 + [1]  # unknown, control, control, byte, normal
+    if size < len(tokens):
+        raise SystemExit(f"make_peer_gguf: a vocabulary needs at least {len(tokens)} tokens, not {size}.")
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for n in itertools.count(1):
+        for word in map("".join, itertools.product(letters, repeat=n)):
+            for token in ("▁" + word, word):
+                if len(tokens) == size:
+                    return tokens, [0.0] * 259 + [-float(i) for i in range(size - 259)], types
+                tokens.append(token)
+                types.append(1)
+    raise AssertionError("unreachable")
+
+
+def _tensors(shape: PeerShape) -> list[tuple[str, tuple[int, ...], type]]:
+    """(name, torch-order shape, numpy dtype) of every tensor, in file order."""
+    H, I, E, q, kv = shape.hidden, shape.expert_intermediate, shape.experts, shape.heads, shape.kv_heads
+    d = shape.head_dim
+    out = [("token_embd.weight", (shape.vocab, H), np.float16)]
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        out += [
+            (b + "attn_norm.weight", (H,), np.float32),
+            (b + "attn_q.weight", (q * d, H), np.float16),
+            (b + "attn_k.weight", (kv * d, H), np.float16),
+            (b + "attn_v.weight", (kv * d, H), np.float16),
+            (b + "attn_output.weight", (H, q * d), np.float16),
+            (b + "attn_q_norm.weight", (d,), np.float32),
+            (b + "attn_k_norm.weight", (d,), np.float32),
+            (b + "ffn_norm.weight", (H,), np.float32),
+            (b + "ffn_gate_inp.weight", (E, H), np.float32),  # llama.cpp never quantises the router
+            (b + "ffn_gate_exps.weight", (E, I, H), np.float16),
+            (b + "ffn_up_exps.weight", (E, I, H), np.float16),
+            (b + "ffn_down_exps.weight", (E, H, I), np.float16),
+        ]
+    return out + [("output_norm.weight", (H,), np.float32), ("output.weight", (shape.vocab, H), np.float16)]
+
+
+def write_f16_gguf(path: str | Path, shape: PeerShape = PeerShape(), seed: int = 0) -> Path:
+    """Write the model as F16 (norms and routers F32) to `path`, one tensor at a time."""
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), ARCH)
+    writer.add_name(f"peer-{ARCH}-{shape.layers}x{shape.experts}")
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.dense_intermediate)
+    writer.add_expert_feed_forward_length(shape.expert_intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(shape.experts)
+    writer.add_expert_used_count(shape.top_k)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    tokens, scores, types = vocabulary(shape.vocab)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(True)
+    tensors = _tensors(shape)
+    for name, dims, dtype in tensors:
+        nbytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
+        writer.add_tensor_info(name, dims, np.dtype(dtype), nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, dims, dtype in tensors:
+        if name.endswith("norm.weight"):
+            data = np.ones(dims, dtype)
+        else:  # one expert (or the whole matrix) at a time keeps the float32 draw small
+            data = np.empty(dims, dtype)
+            for part in data.reshape(-1, *dims[-2:]) if len(dims) == 3 else [data]:
+                part[...] = rng.standard_normal(part.shape, dtype=np.float32) * 0.02
+        writer.write_tensor_data(data)
+    writer.close()
+    return path
+
+
+def quantize(f16: Path, out: Path, ftype: str, threads: int = 0) -> None:
+    """llama.cpp's quantiser (llama-quantize's code) from `f16` to `out` as `ftype`."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit(
+            "make_peer_gguf: quantising needs llama-cpp-python (`pip install llama-cpp-python`, it builds "
+            "llama.cpp for minutes); --ftype f16 writes the unquantised file without it."
+        ) from None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[ftype]
+    params.nthread = threads
+    status = llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), ctypes.byref(params))
+    if status != 0:
+        raise SystemExit(f"make_peer_gguf: llama.cpp failed to quantise {f16} to {ftype} (status {status}).")
+
+
+def check_loads(path: Path) -> str:
+    """Load `path` with moerun; a one-line description of what it found."""
+    import torch
+
+    import moerun
+
+    model = moerun.load(path, dtype=torch.bfloat16, device="cpu")
+    c = model.config
+    moes = [mlp for mlp, moe in zip(model.mlps, c.moe_layers, strict=True) if moe]
+    formats = sorted({t.format.name for moe in moes for t in moe.tensors.values() if hasattr(t, "format")})
+    return (
+        f"moerun loads {path}: {c.model_type}, {c.num_layers} layers, hidden {c.hidden}, {c.moe.num_experts} "
+        f"experts top-{c.moe.top_k}, vocab {c.vocab_size}; expert formats {', '.join(formats) or 'dense'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="the GGUF file to write")
+    parser.add_argument("--ftype", choices=["f16", *FTYPES], default="q4_k_m")
+    for field, default in asdict(PeerShape()).items():
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="llama.cpp's quantiser threads (0: all)")
+    parser.add_argument("--no-check", action="store_true", help="skip loading the result with moerun")
+    args = parser.parse_args(argv)
+    shape = PeerShape(**{f: getattr(args, f) for f in asdict(PeerShape())})
+    if args.out.exists():
+        raise SystemExit(f"make_peer_gguf: {args.out} exists; it is not overwritten.")
+    f16 = args.out if args.ftype == "f16" else args.out.with_name(args.out.stem + ".f16.gguf")
+    start = time.perf_counter()
+    write_f16_gguf(f16, shape, args.seed)
+    print(f"wrote {f16} ({f16.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - start:.0f} s")
+    if args.ftype != "f16":
+        start = time.perf_counter()
+        try:
+            quantize(f16, args.out, args.ftype, args.threads)
+        finally:
+            f16.unlink()
+        size = args.out.stat().st_size / 2**30
+        print(
+            f"quantised to {args.ftype}: {args.out} ({size:.2f} GiB) in {time.perf_counter() - start:.0f} s"
+        )
+    if not args.no_check:
+        print(check_loads(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

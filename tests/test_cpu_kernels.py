@@ -15,24 +15,12 @@ from moerun.cpu import library
 from moerun.cpu import reference as ref
 from moerun.quant import dequant
 from moerun.quant.formats import FLOAT_DTYPES, get_format
+from moerun.quant.formats import FORMATS as QUANT_FORMATS
 from moerun.quant.quantize import quantize_rows
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"native CPU kernels: {cpu.unavailable_reason()}")
 
-FORMATS = [
-    "f32",
-    "f16",
-    "bf16",
-    "q8_0",
-    "q4_0",
-    "q2_k",
-    "q3_k",
-    "q4_k",
-    "q5_k",
-    "q6_k",
-    "mxfp4",
-    "mxfp4_gpt_oss",
-]
+FORMATS = list(QUANT_FORMATS)  # every format moerun reads (the one table of formats)
 VARIANTS = library.runnable_variants() if cpu.available() else ["generic"]
 OUT, IN = 37, 512  # 37 rows: not a multiple of any thread split; 512: 2 super-blocks, 16 small blocks
 # fp32 sums of at most IN / 16 + 64 terms, each rounded once or twice: well inside 1e-5 of the

@@ -21,7 +21,7 @@ from moerun.families.moe_block import layer_from_transformers
 from moerun.linear import linear
 from moerun.moe.backends import KernelOptions, resolve_backend
 from moerun.moe.layer import MoELayer, MoESpec
-from moerun.moe.routing import SoftmaxTopK
+from moerun.moe.routing import SoftmaxTopK, route
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
 from moerun.quant.quantize import quantize
@@ -162,3 +162,27 @@ def test_without_the_native_kernels_auto_runs_the_torch_backend(q4_k_gguf):
     fallback = torch.frombuffer(bytearray(bytes.fromhex(logits)), dtype=torch.float32)
     native = moerun.load(path, dtype=torch.float32).logits(torch.arange(9)[None] % 90).reshape(-1)
     assert rel_err(native, fallback) <= 1e-4
+
+
+@pytest.mark.parametrize("tokens", [2, 5, 16])
+@pytest.mark.parametrize(("gate_up", "down"), MIXES[:3])
+def test_a_small_batch_decodes_in_one_call_like_each_token_alone(gate_up, down, tokens):
+    """A server's decode step (2-16 tokens) in one native call (cpu_backend.tokens_forward), each
+    expert's rows read once for all its tokens: the torch backend's outputs to fp32 rounding, and
+    each token's own one-token step to the last bits (the kernels' multi-token loops add in another
+    order than the one-token ones: a token's bits depend on its batch, not batch-invariant yet)."""
+    from moerun.moe.backends import cpu_backend
+
+    x = torch.randn(tokens, QH, generator=torch.Generator().manual_seed(7))
+    for options in (EXACT, INT8):
+        layer = _layer(gate_up, down, "cpu", options)
+        logits = torch.nn.functional.linear(x, layer.tensors["router.weight"])
+        weights, ids = route(SPEC.routing, logits)
+
+        args = (x, ids, weights, layer.experts, SPEC.activation, options)
+        batch = cpu_backend.tokens_forward(*args)
+        assert torch.equal(batch, cpu_backend.tokens_forward(*args))  # run to run
+        alone = torch.cat([layer(x[t : t + 1]) for t in range(tokens)])
+        assert rel_err(batch, alone) <= 1e-6
+        if options is EXACT:
+            assert rel_err(batch, _layer(gate_up, down, "torch")(x)) <= 1e-5

@@ -126,6 +126,38 @@ def token_forward(
     return out[0]
 
 
+def tokens_forward(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: ExpertWeights,
+    act: Activation,
+    options: KernelOptions,
+) -> torch.Tensor:
+    """A small batch, x [T, H] with each token's k distinct experts ids [T, k] and weights [T, k]
+    (a server's decode step), in ONE native call: each of the step's distinct experts reads its
+    rows once for all its tokens; each token's experts are summed in ascending id, the plan order.
+    Resident experts only (a streamed step's experts may not all fit the cache at once). Not yet
+    what the layer calls for T > 1: a streamed layer would then compute other bits than a resident
+    one (the batched path's activation and sums are torch's), and streamed == resident is bitwise."""
+    order = torch.argsort(ids, dim=1, stable=True)
+    ids, weights = torch.gather(ids, 1, order), torch.gather(weights.float(), 1, order)
+    distinct, rows = torch.unique(ids, return_inverse=True)  # ascending; rows [T, k] index them
+    table = _table(experts)
+    step_experts = distinct.tolist()
+    pointers, formats = table.rows(step_experts, step_experts)
+    return cpu.moe_decode_table(
+        x.float().contiguous(),
+        pointers,
+        formats,
+        table.intermediate,
+        rows.to(torch.int32).contiguous(),
+        weights.contiguous(),
+        act,
+        integer=options.int8_on_cpu(experts.dtype),
+    )
+
+
 def expert_rows(
     x: torch.Tensor,
     plan: BatchedPlan,

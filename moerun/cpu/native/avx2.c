@@ -115,25 +115,7 @@ static inline __attribute__((always_inline)) void q6_k_body(ROWS_ARGS) {
     }
 }
 
-static inline __m256i b32_w(const uint8_t *blk, int kind, float *d) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    if (kind == F_Q8_0) {
-        *d = f16_at(blk);
-        return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    }
-    if (kind == F_Q4_0) {
-        *d = f16_at(blk);
-        __m128i v = _mm_loadu_si128((const __m128i *)(blk + 2));
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-    }
-    const __m128i table = _mm_loadu_si128((const __m128i *)KVALUES_MXFP4);
-    *d = e8m0_half(blk[0]);
-    __m128i v = _mm_loadu_si128((const __m128i *)(blk + 1));
-    __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(v, m4));
-    __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-    return kind == F_MXFP4 ? _mm256_set_m128i(hi, lo)
-                           : _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-}
+#include "b32_avx2.h"
 
 /* Blocks alternate between two accumulators (two dependency chains). */
 static inline __attribute__((always_inline)) void b32_body(ROWS_ARGS, int kind) {
@@ -145,7 +127,7 @@ static inline __attribute__((always_inline)) void b32_body(ROWS_ARGS, int kind) 
         for (int t = 0; t < T; t++) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < n / 32; b++) {
             float d;
-            __m256i wv = b32_w(row + b * bytes, kind, &d);
+            __m256i wv = b32_weights(row + b * bytes, kind, &d);
             __m256i wa = kind == F_Q4_0 ? wv : _mm256_sign_epi8(wv, wv);
             for (int t = 0; t < T; t++) {
                 const q8a_t *y = (const q8a_t *)xs[t] + b;

@@ -24,7 +24,7 @@ from moerun.activations import Activation
 from moerun.cpu.library import FORMAT_IDS
 from moerun.linear import linear, native_weight
 from moerun.moe.backends import KernelOptions
-from moerun.moe.backends.torch_backend import batch_plan, combine, token_plan  # noqa: F401
+from moerun.moe.backends.torch_backend import batch_plan, combine, rows_by_expert, token_plan  # noqa: F401
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
 from moerun.moe.plan import BatchedPlan, TokenPlan
@@ -169,20 +169,13 @@ def expert_rows(
     """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order (a
     view of `ws`, valid until the next call)."""
     integer = options.int8_on_cpu(experts.dtype)
-    num_rows = plan.order.numel()
-    rows = ws.get("rows", (num_rows, x.shape[1]), torch.float32, x.device)
-    gathered = torch.index_select(x, 0, plan.row_tokens)  # [T*k, H]
-    offsets = plan.offsets.tolist()
-    for e in range(len(offsets) - 1):
-        start, end = offsets[e], offsets[e + 1]
-        if start == end:
-            continue
-        gate_up, down = experts.stored("gate_up", e), experts.stored("down", e)
-        h = linear(gathered[start:end], gate_up, experts.bias("gate_up", e), True, integer)  # [R, 2I]
+
+    def forward(rows: torch.Tensor, e: int) -> torch.Tensor:  # rows [R, H] -> [R, H]
+        h = linear(rows, experts.stored("gate_up", e), experts.bias("gate_up", e), True, integer)  # [R, 2I]
         a = act(h.float()).to(x.dtype)  # [R, I]
-        y = linear(a, down, experts.bias("down", e), True, integer).float()  # [R, H]
-        torch.mul(y, plan.row_weights[start:end, None], out=rows[start:end])
-    return rows
+        return linear(a, experts.stored("down", e), experts.bias("down", e), True, integer).float()
+
+    return rows_by_expert(x, plan, ws, forward)
 
 
 def shared_expert(

@@ -8,7 +8,7 @@ bitwise equal outputs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,18 @@ def expert_rows(
 ) -> torch.Tensor:
     """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order
     (a view of `ws`, valid until the next call)."""
+    return rows_by_expert(x, plan, ws, lambda rows, e: _expert_forward(rows, experts, e, act))
+
+
+def rows_by_expert(
+    x: torch.Tensor,
+    plan: BatchedPlan,
+    ws: Workspace,
+    forward: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """The batched experts stage, expert by expert: each expert e with rows computes
+    forward(its gathered rows [R, H], e) -> [R, H], weighted by the rows' routing weights into
+    [T*k, H] fp32 in plan order (a view of `ws`, valid until the next call)."""
     num_rows = plan.order.numel()
     rows = ws.get("rows", (num_rows, x.shape[1]), torch.float32, x.device)
     gathered = torch.index_select(
@@ -52,7 +64,7 @@ def expert_rows(
         start, end = offsets[e], offsets[e + 1]
         if start == end:
             continue
-        y = _expert_forward(gathered[start:end], experts, e, act)
+        y = forward(gathered[start:end], e)
         torch.mul(y, plan.row_weights[start:end, None], out=rows[start:end])
     return rows
 

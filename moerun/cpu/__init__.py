@@ -23,6 +23,7 @@ tiled (weights stay in L2) through the row kernels.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,8 @@ __all__ = [
     "matmul",
     "moe_decode",
     "moe_decode_table",
+    "moe_route",
+    "AttentionDecode",
     "quantize",
 ]
 
@@ -259,6 +262,177 @@ def moe_decode(
         raise ValueError(f"moe_decode: slot_expert must index the {len(gate_up)} experts given.")
     weights = slot_weight.float().contiguous()
     return moe_decode_table(x, table, formats, inter, slot_expert, weights, act, integer, variant)
+
+
+LinearWeight = tuple[str, torch.Tensor, torch.Tensor | None]  # (format name, data, bias or None)
+
+
+def _fp32(t: torch.Tensor | None, size: int, what: str) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = t.detach().float().contiguous().reshape(-1)
+    if t.numel() != size:
+        raise FormatError(f"{what} has {t.numel()} values; need {size}.")
+    return t
+
+
+class AttentionDecode:
+    """One attention block's decode step as one native call (`moerun_attention_decode`): x += the
+    block's output for one token, its key and value written into the cache. Built once from the
+    block's weights in their stored format (kept alive here, with fp32 copies of norms and biases).
+
+    q, k, v, o: (format, data, bias) with data as `matmul` takes it; norm [hidden]; q_norm/k_norm
+    [head_dim] (qk_norm "head") or over all heads ("full"), with epsilon qk_eps; sinks [heads] or
+    None; window: the sliding window (None: every cached key); clip: q, k and v clamped to
+    [-clip, clip] (None: not)."""
+
+    def __init__(
+        self,
+        *,
+        q: LinearWeight,
+        k: LinearWeight,
+        v: LinearWeight,
+        o: LinearWeight,
+        norm: torch.Tensor,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        cache_dtype: torch.dtype,
+        qk_norm: str | None = None,
+        qk_eps: float = 1e-6,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
+        clip: float | None = None,
+    ):
+        if cache_dtype not in library.CACHE_DTYPE_IDS or qk_norm not in library.QK_NORM_IDS:
+            raise ValueError(f"AttentionDecode: cache dtype {cache_dtype}, qk_norm {qk_norm!r} unsupported.")
+        self.heads, self.kv_heads, self.head_dim, self.cache_dtype = heads, kv_heads, head_dim, cache_dtype
+        self._keep = []
+        shapes = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden)}
+        shapes |= {"v": shapes["k"], "o": (hidden, heads * head_dim)}
+        linears = {}
+        for name, (fmt_name, data, bias) in {"q": q, "k": k, "v": v, "o": o}.items():
+            rows, n = shapes[name]
+            _check_weight(fmt_name, data, n, f"attention {name}")
+            if data.shape[0] != rows:
+                raise FormatError(f"attention {name}: {data.shape[0]} rows; need {rows}.")
+            bias = _fp32(bias, rows, f"attention {name} bias")
+            self._keep += [data, bias]
+            linears[name] = library.LinearStruct(
+                data.data_ptr(), bias.data_ptr() if bias is not None else None, rows, n, FORMAT_IDS[fmt_name]
+            )
+        norm_size = {"head": (head_dim, head_dim), "full": (heads * head_dim, kv_heads * head_dim)}
+        qn_size, kn_size = norm_size.get(qk_norm, (0, 0))
+        vectors = [
+            _fp32(norm, hidden, "attention norm"),
+            _fp32(q_norm, qn_size, "q norm") if qk_norm else None,
+            _fp32(k_norm, kn_size, "k norm") if qk_norm else None,
+            _fp32(sinks, heads, "attention sinks"),
+        ]
+        self._keep += vectors
+        ptrs = [None if t is None else t.data_ptr() for t in vectors]
+        self.struct = library.AttentionStruct(
+            *linears.values(),
+            *ptrs,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            window or 0,
+            library.QK_NORM_IDS[qk_norm],
+            library.CACHE_DTYPE_IDS[cache_dtype],
+            eps,
+            clip or 0.0,
+            head_dim**-0.5,
+            qk_eps,
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        pos: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        integer: bool = False,
+    ) -> None:
+        """x float32 [hidden] (contiguous, updated in place); cache_k/cache_v [1, kv_heads, capacity,
+        head_dim] contiguous in the cache dtype; cos, sin float32 [head_dim / 2] of position `pos`."""
+        shape = (1, self.kv_heads, cache_k.shape[2], self.head_dim)
+        for c in (cache_k, cache_v):
+            if tuple(c.shape) != shape or c.dtype != self.cache_dtype or not c.is_contiguous():
+                raise ValueError(f"attention_decode: a cache must be contiguous {self.cache_dtype} {shape}.")
+        if x.dtype != torch.float32 or not x.is_contiguous() or cos.dtype != torch.float32:
+            raise TypeError("attention_decode: x, cos and sin must be contiguous float32.")
+        rc = library.native().attention_decode(
+            ctypes.byref(self.struct),
+            x.data_ptr(),
+            cache_k.data_ptr(),
+            cache_v.data_ptr(),
+            shape[2],
+            pos,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            int(integer),
+            torch.get_num_threads(),
+        )
+        library.check(rc, "moerun_attention_decode")
+
+
+class RouterLogitsNotFinite(ValueError):
+    """`moe_route` met a NaN or inf router logit (the caller reports the layer)."""
+
+
+def moe_route(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None,
+    kind: str,
+    k: int = 0,
+    renormalize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One token's MoE routing in one native call: x float32 [H] -> (h = rms_norm(x, norm) [H],
+    router logits [E], ids int64 [k] ascending, their weights float32 [k]). kind: "softmax_topk"
+    (softmax over the experts, the k most probable, renormalised if asked), "topk_softmax" (the k
+    largest logits, softmax over them) or "logits_only" (ids and weights None: the caller routes).
+    norm, router_weight [E, H] and router_bias [E]: contiguous float32. RouterLogitsNotFinite (with
+    the logits as its argument) when a logit is NaN or inf."""
+    H, E = x.shape[-1], router_weight.shape[0]
+    for t in (x, norm, router_weight, router_bias):
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
+            raise TypeError("moe_route: x, norm and the router's tensors must be contiguous float32.")
+    h, logits = torch.empty(H), torch.empty(E)
+    routes = kind != "logits_only"
+    ids = torch.empty(k, dtype=torch.int64) if routes else None
+    weights = torch.empty(k) if routes else None
+    rc = library.native().moe_route(
+        x.data_ptr(),
+        H,
+        norm.data_ptr(),
+        eps,
+        router_weight.data_ptr(),
+        None if router_bias is None else router_bias.data_ptr(),
+        E,
+        library.ROUTE_IDS[kind],
+        k,
+        int(renormalize),
+        h.data_ptr(),
+        logits.data_ptr(),
+        ids.data_ptr() if routes else None,
+        weights.data_ptr() if routes else None,
+        torch.get_num_threads(),
+    )
+    if rc == 1:
+        raise RouterLogitsNotFinite(logits)
+    library.check(rc, "moerun_moe_route")
+    return h, logits, ids, weights
 
 
 INTEGER_ACTIVATIONS = INTEGER_ACT  # weight format -> what integer mode quantises its input to

@@ -71,7 +71,53 @@ class Native:
     moe_decode: ctypes._CFuncPtr
     quantize: ctypes._CFuncPtr
     threads_used: ctypes._CFuncPtr
+    attention_decode: ctypes._CFuncPtr
+    moe_route: ctypes._CFuncPtr
     gemm_formats: frozenset[str]  # formats whose integer matmul takes the prefill GEMM for larger T
+
+
+class LinearStruct(ctypes.Structure):
+    """decode.c's moerun_linear: a weight's rows as the row kernels read them."""
+
+    _fields_ = [
+        ("w", _ptr),
+        ("bias", _ptr),
+        ("rows", _i64),
+        ("n", _i64),
+        ("fmt", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+    ]
+
+
+class AttentionStruct(ctypes.Structure):
+    """decode.c's moerun_attention: one attention block's weights, norms and variant."""
+
+    _fields_ = [
+        ("q", LinearStruct),
+        ("k", LinearStruct),
+        ("v", LinearStruct),
+        ("o", LinearStruct),
+        ("norm", _ptr),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("sinks", _ptr),
+        ("hidden", _i64),
+        ("heads", _i64),
+        ("kv_heads", _i64),
+        ("head_dim", _i64),
+        ("window", _i64),
+        ("qk_norm", ctypes.c_int32),
+        ("cache_dtype", ctypes.c_int32),
+        ("eps", _f32),
+        ("clip", _f32),
+        ("scale", _f32),
+        ("qk_eps", _f32),
+    ]
+
+
+QK_NORM_IDS = {None: 0, "head": 1, "full": 2}
+CACHE_DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ROUTE_IDS = {"logits_only": -1, "softmax_topk": 0, "topk_softmax": 1}
 
 
 def _typed(lib: ctypes.CDLL, name: str, restype, *argtypes) -> ctypes._CFuncPtr:
@@ -157,6 +203,17 @@ def _bind(lib: ctypes.CDLL, variant: str, features: frozenset[str]) -> Native:
         # act, x, T, n, out
         quantize=_typed(lib, "moerun_quantize", _i32, _i32, _ptr, _i64, _i64, _ptr),
         threads_used=_typed(lib, "moerun_threads_used", _i32, _i32),
+        # attention, x, cache_k, cache_v, capacity, pos, cos, sin, integer, nthreads
+        attention_decode=_typed(
+            lib, "moerun_attention_decode", _i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i32, _i32
+        ),
+        # x, H, norm, eps, router_w, router_b, E, kind, k, renormalize, h, logits, ids, weights, nthreads
+        moe_route=_typed(
+            lib,
+            "moerun_moe_route",
+            _i32,
+            *(_ptr, _i64, _ptr, _f32, _ptr, _ptr, _i64, _i32, _i64, _i32, _ptr, _ptr, _ptr, _ptr, _i32),
+        ),
         gemm_formats=frozenset(name for name, i in FORMAT_IDS.items() if gemm_bits >> i & 1),
     )
 

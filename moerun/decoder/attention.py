@@ -15,10 +15,11 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from moerun import cpu
 from moerun.decoder.config import AttentionSpec
 from moerun.decoder.norm import rms_norm
 from moerun.decoder.rope import Rotary
-from moerun.linear import Linear, linear
+from moerun.linear import Linear, linear, native_weight
 
 
 class Attention:
@@ -76,6 +77,35 @@ class Attention:
         out = self._attend(q, keys, values, start, first)  # [B, nh, T, D]
         out = out.transpose(1, 2).reshape(B, T, nh * D)
         return self._project(out, "o")
+
+    def native_decode(self, norm: torch.Tensor, eps: float, cache_dtype: torch.dtype) -> cpu.AttentionDecode:
+        """This block, with `norm` (the model's RMSNorm before it, epsilon `eps`), as one native
+        decode call."""
+        spec, t = self.spec, self.t
+
+        def weight(name: str) -> cpu.LinearWeight:
+            return (*native_weight(t[f"{name}.weight"]), t.get(f"{name}.bias"))
+
+        return cpu.AttentionDecode(
+            q=weight("q"),
+            k=weight("k"),
+            v=weight("v"),
+            o=weight("o"),
+            norm=norm,
+            hidden=t["o.weight"].shape[0],
+            heads=spec.heads,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            eps=eps,
+            cache_dtype=cache_dtype,
+            qk_norm=spec.qk_norm,
+            qk_eps=spec.norm_eps,
+            q_norm=t.get("q_norm.weight"),
+            k_norm=t.get("k_norm.weight"),
+            sinks=t.get("sinks"),
+            window=self.window,
+            clip=spec.clip_qkv,
+        )
 
     def _attend(self, q, keys, values, start: int, first: int) -> torch.Tensor:
         B, nh, T, D = q.shape

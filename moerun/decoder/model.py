@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from moerun import cpu
 from moerun.decoder.attention import Attention
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.kv_cache import KVCache
@@ -121,6 +122,12 @@ class MoEModel:
             else:
                 act = config.dense_activation
                 self.mlps.append(DenseMLP(dense(p + "mlp.gate_up"), dense(p + "mlp.down"), act, self.project))
+        # one token of one sequence on the native CPU kernels: each layer's attention block one call,
+        # its MoE block two (built on the first such step)
+        self._native_decode = native and all(
+            mlp.decodes_natively for mlp, moe in zip(self.mlps, config.moe_layers, strict=True) if moe
+        )
+        self._native_steps: list[cpu.AttentionDecode] | None = None
         moe_layers = [i for i, moe in enumerate(config.moe_layers) if moe]
         self._next_moe = {a: b for a, b in zip(moe_layers, moe_layers[1:], strict=False)}
         self._moes = [self.mlps[i] for i in moe_layers]
@@ -139,6 +146,8 @@ class MoEModel:
         start, T = cache.length, ids.shape[1]
         if start + T > cache.capacity:
             raise ContextError(f"{start + T} positions do not fit a KV cache of {cache.capacity}.")
+        if self._native_decode and ids.shape == (1, 1):
+            return self._decode_native(ids, cache)
         eps = self.config.norm_eps
         positions = torch.arange(start, start + T, device=self.device)
         cos_sin = self.rotary.cos_sin(positions, self.dtype)
@@ -171,6 +180,37 @@ class MoEModel:
                 after_fetch = functools.partial(self._prefetch, self._next_moe[i], x)
             x = x + mlp(h, after_fetch=after_fetch, router_checks=checks)
         return x
+
+    def _decode_native(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """`forward` of one token of one sequence on the native kernels. The residual stream stays
+        fp32 through the layers (the cache holds the compute dtype) -> final hidden state [1, 1, H]."""
+        if self._native_steps is None:
+            eps = self.config.norm_eps
+            self._norms32 = [n.float().contiguous() for n in self.mlp_norms]
+            self._native_steps = [
+                attn.native_decode(norm, eps, self.dtype)
+                for attn, norm in zip(self.attentions, self.attn_norms, strict=True)
+            ]
+        eps, pos = self.config.norm_eps, cache.length
+        integer = self.project.keywords["integer"]
+        cos, sin = (c[0].contiguous() for c in self.rotary.cos_sin(torch.tensor([pos]), torch.float32))
+        x = self._embed(ids).reshape(-1).float().contiguous()  # [H] fp32, updated in place
+        if self.expert_cache is not None:
+            self.expert_cache.begin_step()
+        for i, (step, mlp) in enumerate(zip(self._native_steps, self.mlps, strict=True)):
+            step(x, cache.keys[i], cache.values[i], pos, cos, sin, integer)
+            if not self.config.moe_layers[i]:
+                x += mlp(rms_norm(x, self._norms32[i], eps))
+                continue
+            after_fetch = None
+            prefetch = self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching
+            if prefetch and i in self._next_moe:
+                after_fetch = functools.partial(self._prefetch, self._next_moe[i], x)
+            mlp.decode_token(x, self._norms32[i], eps, after_fetch)
+        cache.length = pos + 1
+        if self.expert_cache is not None:
+            self.expert_cache.end_step()
+        return rms_norm(x, self.norm, eps).to(self.dtype).view(1, 1, -1)
 
     def _prefetch(self, layer: int, x: torch.Tensor) -> None:
         """Start loading the `prefetch_k` experts MoE layer `layer`'s router ranks highest for the

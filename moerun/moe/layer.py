@@ -250,6 +250,53 @@ class MoELayer:
         trace.finish(x.shape[0])
         return out.to(x.dtype)
 
+    @property
+    def decodes_natively(self) -> bool:
+        """Whether `decode_token` runs here: the layer is on the cpu backend (native kernels)."""
+        return hasattr(self.backend, "route_token")
+
+    def decode_token(
+        self,
+        x: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        after_fetch: Callable[[], None] | None = None,
+    ) -> None:
+        """One token's decode step on the native CPU kernels, x float32 [H] updated in place:
+        x += this block(rms_norm(x, norm)), with norm float32 [H] the model's norm before it. Its
+        norm, router and routing are one native call, the experts a second (streamed experts are
+        fetched between the two), so a streamed layer computes the resident one's bits."""
+        stream = self.experts.stream
+        if stream is None:
+            return self._decode_token(x, norm, eps, None)
+        start, fetched = time.perf_counter(), stream.fetch_s
+        try:
+            self._decode_token(x, norm, eps, after_fetch)
+        finally:
+            stream.end()
+            total_ms = 1e3 * (time.perf_counter() - start)
+            stream.cache.record(self._route_ms, total_ms - self._route_ms - 1e3 * (stream.fetch_s - fetched))
+
+    def _decode_token(
+        self, x: torch.Tensor, norm: torch.Tensor, eps: float, after_fetch: Callable[[], None] | None
+    ) -> None:
+        spec, t, backend = self.spec, self.tensors, self.backend
+        trace = layer_trace(self.name)
+        route_start = time.perf_counter()
+        h, logits, ids, weights = backend.route_token(x, norm, eps, spec.routing, t, self.name)
+        if ids is None:  # a selection rule the native call does not have: torch's, on its logits
+            weights, ids = route(spec.routing, logits[None], t.get("router.score_bias"))
+        trace.router_figures(logits[None], ids.reshape(1, -1), weights.reshape(1, -1), spec.num_experts)
+        self._route_ms = 1e3 * (time.perf_counter() - route_start)
+        plan = backend.token_plan(ids, weights, self.name)
+        if self.experts.stream is not None:
+            self._fetch(plan.experts, after_fetch)
+        out = backend.token_forward(h, plan, self.experts, spec.activation, self.options)  # [H] fp32
+        if spec.shared_intermediate:
+            integer = self.options.int8_on_cpu(self.dtype)
+            out = out + backend.shared_expert(h[None], t, spec.activation, self.options, integer)[0]
+        x += out
+
     def _fetch(self, experts: list[int], after_fetch: Callable[[], None] | None) -> None:
         """Streaming: announce the step's experts (ascending) to the cache; the first group loads."""
         self.experts.stream.begin([int(e) for e in experts])

@@ -28,6 +28,7 @@ from moerun.moe.backends.torch_backend import batch_plan, combine, rows_by_exper
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
 from moerun.moe.plan import BatchedPlan, TokenPlan
+from moerun.moe.routing import SoftmaxTopK, TopKSoftmax, check_logits
 from moerun.quant.formats import QTensor
 
 STREAMS_PREFILL = True  # prefill visits experts one by one, so a stream can fetch them in groups
@@ -101,6 +102,29 @@ def _table(experts: ExpertWeights) -> _Table:
     if table is None:
         table = _TABLES[experts] = _Table(experts)
     return table
+
+
+def _native_rule(routing) -> tuple[str, int, bool]:
+    """The native router call's selection rule for `routing` (kind, k, renormalise)."""
+    if isinstance(routing, SoftmaxTopK):
+        return "softmax_topk", routing.k, routing.renormalize
+    if isinstance(routing, TopKSoftmax):
+        return "topk_softmax", routing.k, False
+    return "logits_only", 0, False
+
+
+def route_token(
+    x: torch.Tensor, norm: torch.Tensor, eps: float, routing, t: Mapping[str, torch.Tensor], layer_name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One token x float32 [H] -> (h = rms_norm(x, norm), router logits [E], ids [k] ascending and
+    weights [k], or None, None for a rule the native call does not have) in one native call;
+    RouterError naming the layer when a logit is NaN or inf."""
+    kind, k, renormalize = _native_rule(routing)
+    try:
+        return cpu.moe_route(x, norm, eps, t["router.weight"], t.get("router.bias"), kind, k, renormalize)
+    except cpu.RouterLogitsNotFinite as exc:
+        check_logits(exc.args[0][None], layer_name)  # raises, naming the layer
+        raise
 
 
 def token_forward(
@@ -179,10 +203,15 @@ def expert_rows(
 
 
 def shared_expert(
-    x: torch.Tensor, t: Mapping[str, torch.Tensor], act: Activation, options: KernelOptions
+    x: torch.Tensor,
+    t: Mapping[str, torch.Tensor],
+    act: Activation,
+    options: KernelOptions,
+    integer: bool | None = None,
 ) -> torch.Tensor:
-    """x [T, H] -> the shared expert's output [T, H] fp32 (times sigmoid(x · gate) when gated)."""
-    integer = options.int8_on_cpu(x.dtype)
+    """x [T, H] -> the shared expert's output [T, H] fp32 (times sigmoid(x · gate) when gated).
+    `integer`: int8 activations or not (default: as `options` say for x's dtype)."""
+    integer = options.int8_on_cpu(x.dtype) if integer is None else integer
     h = linear(x, t["shared.gate_up"], native=True, integer=integer)
     y = linear(act(h.float()).to(x.dtype), t["shared.down"], native=True, integer=integer).float()
     gate = t.get("shared.gate")

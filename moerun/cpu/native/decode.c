@@ -1,0 +1,315 @@
+/* One token's decode step through a decoder layer in two calls, so no Python runs between the small
+ * operations of a layer:
+ *   moerun_attention_decode  x += o(attend(rope(norm_qk(q, k, v of rms_norm(x)))), cache)), the new
+ *                            key and value written into the cache at `pos`;
+ *   moerun_moe_route         h = rms_norm(x), the router's logits of h and (softmax-then-top-k or
+ *                            top-k-then-softmax) the token's k experts ascending with their weights;
+ *                            the experts then run in moerun_moe_decode (moe.c) on h.
+ * Each is one OpenMP parallel region with barriers between its phases. Every value is computed by one
+ * thread in a fixed order (sums over 16 lanes, then the lanes in order), so the bits depend on
+ * neither the thread count nor buffer addresses. */
+#include <float.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+/* A linear layer's weight as the row kernels read it: `rows` rows of `n` inputs in format `fmt`. */
+typedef struct {
+    const uint8_t *w;
+    const float *bias; /* fp32 [rows] or NULL */
+    int64_t rows, n;
+    int32_t fmt, pad;
+} moerun_linear;
+
+enum { QK_NONE, QK_HEAD, QK_FULL };
+enum { CACHE_F32, CACHE_F16, CACHE_BF16 };
+
+/* An attention block: its norm, projections and the variants of the families (see attention.py). */
+typedef struct {
+    moerun_linear q, k, v, o;
+    const float *norm;           /* the block's input RMSNorm, fp32 [hidden] */
+    const float *q_norm, *k_norm; /* QK_HEAD: fp32 [head_dim]; QK_FULL: [heads * head_dim] etc. */
+    const float *sinks;          /* fp32 [heads] (GPT-OSS) or NULL */
+    int64_t hidden, heads, kv_heads, head_dim, window; /* window 0: every cached key */
+    int32_t qk_norm, cache_dtype;
+    float eps, clip, scale, qk_eps; /* eps: of `norm`; clip <= 0: none; scale: of the scores */
+} moerun_attention;
+
+static float dot16(const float *a, const float *b, int64_t n) {
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; i < n; i++, l++) acc[l] += a[i] * b[i];
+    float s = 0.f;
+    for (int l = 0; l < 16; l++) s += acc[l];
+    return s;
+}
+
+/* x * rsqrt(mean(x^2) + eps) * w, the mean summed in double in order. */
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
+}
+
+static float bf16_to_f32(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t f32_to_bf16(float f) { /* nearest, ties to even, as torch's .to(bfloat16) */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((x >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+}
+
+static void store(int dtype, void *base, int64_t i, const float *src, int64_t n) {
+    if (dtype == CACHE_F32) memcpy((float *)base + i, src, (size_t)n * sizeof(float));
+    else if (dtype == CACHE_BF16)
+        for (int64_t j = 0; j < n; j++) ((uint16_t *)base)[i + j] = f32_to_bf16(src[j]);
+    else
+        for (int64_t j = 0; j < n; j++) ((uint16_t *)base)[i + j] = f32_to_f16(src[j]);
+}
+
+static const float *load_row(int dtype, const void *base, int64_t i, int64_t n, float *tmp) {
+    if (dtype == CACHE_F32) return (const float *)base + i;
+    const uint16_t *p = (const uint16_t *)base + i;
+    if (dtype == CACHE_BF16)
+        for (int64_t j = 0; j < n; j++) tmp[j] = bf16_to_f32(p[j]);
+    else
+        for (int64_t j = 0; j < n; j++) tmp[j] = f16_to_f32(p[j]);
+    return tmp;
+}
+
+/* An input vector in every form the linears reading it need: fp32, q8_0 and q8_K blocks. */
+typedef struct {
+    const float *x;
+    q8a_t *q0;
+    q8k_t *qk;
+} act_forms;
+
+static int need_act(const moerun_linear *l, int integer) { return integer ? FMT[l->fmt].act : ACT_F32; }
+
+static int check_linear(const moerun_linear *l, int64_t rows, int64_t n) {
+    if (l->fmt < 0 || l->fmt >= F_COUNT || !l->w) return -1;
+    if (l->rows != rows || l->n != n || n % FMT[l->fmt].block) return -2;
+    return 0;
+}
+
+static void forms_quantize(act_forms *f, int64_t n) { /* one thread */
+    if (f->q0) quantize_q8a(f->x, n, f->q0);
+    if (f->qk) quantize_q8k(f->x, n, f->qk);
+}
+
+/* This thread's share of l's rows: y[r] = row r . x (+ bias[r]). */
+static void linear_rows(const moerun_linear *l, const act_forms *f, int integer, float *y, int tid, int nth) {
+    const fmt_info *fi = &FMT[l->fmt];
+    int act = integer ? fi->act : ACT_F32;
+    rows_fn fn = act == ACT_F32 ? fi->exact : fi->integer;
+    const void *xs[1] = {act == ACT_F32 ? (const void *)f->x : act == ACT_Q8_0 ? (const void *)f->q0
+                                                                                : (const void *)f->qk};
+    float *ys[1] = {y};
+    int64_t lo = l->rows * tid / nth, hi = l->rows * (tid + 1) / nth;
+    size_t rb = (size_t)(l->n / fi->block * fi->bytes);
+    if (hi > lo) fn(l->w, rb, lo, hi, l->n, xs, 1, ys);
+    if (l->bias)
+        for (int64_t r = lo; r < hi; r++) y[r] += l->bias[r];
+}
+
+static int alloc_forms(act_forms *f, const float *x, int64_t n, const moerun_linear *const *ls, int count,
+                       int integer) {
+    int need0 = 0, needk = 0;
+    for (int i = 0; i < count; i++) {
+        int a = need_act(ls[i], integer);
+        need0 |= a == ACT_Q8_0;
+        needk |= a == ACT_Q8_K;
+    }
+    f->x = x;
+    f->q0 = need0 ? malloc((size_t)(n / 32) * sizeof(q8a_t)) : NULL;
+    f->qk = needk ? malloc((size_t)(n / 256) * sizeof(q8k_t)) : NULL;
+    return (need0 && !f->q0) || (needk && !f->qk) ? -4 : 0;
+}
+
+static void rotate(float *v, const float *cos, const float *sin, int64_t D) {
+    int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = v[i], b = v[half + i];
+        v[i] = a * cos[i] - b * sin[i];
+        v[half + i] = b * cos[i] + a * sin[i];
+    }
+}
+
+/* x fp32 [hidden] (updated in place); cache_k, cache_v [kv_heads, capacity, head_dim] of cache_dtype;
+ * the token at `pos` (< capacity); cos, sin fp32 [head_dim / 2] of that position. */
+int moerun_attention_decode(const moerun_attention *a, float *x, void *cache_k, void *cache_v, int64_t capacity,
+                            int64_t pos, const float *cos, const float *sin, int integer, int nthreads) {
+    extern void moerun_ensure_init(void);
+    moerun_ensure_init();
+    const int64_t H = a->hidden, nh = a->heads, nkv = a->kv_heads, D = a->head_dim;
+    if (nh <= 0 || nkv <= 0 || nh % nkv || D <= 0 || D % 2 || pos < 0 || pos >= capacity) return -1;
+    if (a->cache_dtype < CACHE_F32 || a->cache_dtype > CACHE_BF16) return -1;
+    int err = check_linear(&a->q, nh * D, H);
+    err = err ? err : check_linear(&a->k, nkv * D, H);
+    err = err ? err : check_linear(&a->v, nkv * D, H);
+    err = err ? err : check_linear(&a->o, H, nh * D);
+    if (err) return err;
+    const int64_t first = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+    const int64_t S = pos - first + 1, groups = nh / nkv;
+    float *h = malloc((size_t)H * sizeof(float));
+    float *qkv = malloc((size_t)((nh + 2 * nkv) * D) * sizeof(float));
+    float *att = malloc((size_t)(nh * D) * sizeof(float)), *o = malloc((size_t)H * sizeof(float));
+    float *scores = malloc((size_t)(nh * (S + 1)) * sizeof(float));
+    float *tmp = malloc((size_t)(nh * 2 * D) * sizeof(float));
+    const moerun_linear *in[3] = {&a->q, &a->k, &a->v}, *out[1] = {&a->o};
+    act_forms fx = {0}, fa = {0};
+    if (!h || !qkv || !att || !o || !scores || !tmp) err = -4;
+    err = err ? err : alloc_forms(&fx, h, H, in, 3, integer);
+    err = err ? err : alloc_forms(&fa, att, nh * D, out, 1, integer);
+    if (!err) {
+        float *q = qkv, *k = qkv + nh * D, *v = k + nkv * D;
+        const float clip = a->clip;
+#pragma omp parallel num_threads(nthreads)
+        {
+            int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+#pragma omp single
+            {
+                rms_norm(x, a->norm, H, a->eps, h);
+                forms_quantize(&fx, H);
+            }
+            linear_rows(&a->q, &fx, integer, q, tid, nth);
+            linear_rows(&a->k, &fx, integer, k, tid, nth);
+            linear_rows(&a->v, &fx, integer, v, tid, nth);
+#pragma omp barrier
+#pragma omp single
+            {
+                if (a->qk_norm == QK_FULL) {
+                    rms_norm(q, a->q_norm, nh * D, a->qk_eps, q);
+                    rms_norm(k, a->k_norm, nkv * D, a->qk_eps, k);
+                }
+                if (clip > 0)
+                    for (int64_t i = 0; i < (nh + 2 * nkv) * D; i++)
+                        qkv[i] = qkv[i] > clip ? clip : (qkv[i] < -clip ? -clip : qkv[i]);
+            }
+            /* per head: the head norm and rope of q and k heads; k and v heads into the cache */
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < nh + 2 * nkv; i++) {
+                float *hv = qkv + i * D;
+                if (i < nh + nkv) {
+                    if (a->qk_norm == QK_HEAD) rms_norm(hv, i < nh ? a->q_norm : a->k_norm, D, a->qk_eps, hv);
+                    rotate(hv, cos, sin, D);
+                }
+                if (i >= nh)
+                    store(a->cache_dtype, i < nh + nkv ? cache_k : cache_v,
+                          ((i - nh) % nkv * capacity + pos) * D, hv, D);
+            }
+            /* the one query of each head against the cached keys [first, pos] (implicit barrier above) */
+#pragma omp for schedule(static)
+            for (int64_t hq = 0; hq < nh; hq++) {
+                const int64_t g = hq / groups;
+                float *sc = scores + hq * (S + 1), *row = tmp + hq * 2 * D, *acc = att + hq * D;
+                float m = a->sinks ? a->sinks[hq] : -FLT_MAX;
+                for (int64_t j = 0; j < S; j++) {
+                    const float *kr = load_row(a->cache_dtype, cache_k, (g * capacity + first + j) * D, D, row);
+                    sc[j] = dot16(q + hq * D, kr, D) * a->scale;
+                    m = sc[j] > m ? sc[j] : m;
+                }
+                float denom = 0.f;
+                for (int64_t j = 0; j < S; j++) {
+                    sc[j] = expf(sc[j] - m);
+                    denom += sc[j];
+                }
+                if (a->sinks) denom += expf(a->sinks[hq] - m);
+                for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+                for (int64_t j = 0; j < S; j++) {
+                    const float *vr = load_row(a->cache_dtype, cache_v, (g * capacity + first + j) * D, D, row + D);
+                    const float p = sc[j];
+                    for (int64_t d = 0; d < D; d++) acc[d] += p * vr[d];
+                }
+                const float inv = 1.f / denom;
+                for (int64_t d = 0; d < D; d++) acc[d] *= inv;
+            }
+#pragma omp single
+            forms_quantize(&fa, nh * D);
+            linear_rows(&a->o, &fa, integer, o, tid, nth);
+            int64_t lo = H * tid / nth, hi = H * (tid + 1) / nth; /* the rows this thread computed */
+            for (int64_t r = lo; r < hi; r++) x[r] += o[r];
+        }
+    }
+    free(h), free(qkv), free(att), free(o), free(scores), free(tmp);
+    free(fx.q0), free(fx.qk), free(fa.q0), free(fa.qk);
+    return err;
+}
+
+enum { ROUTE_LOGITS_ONLY = -1, ROUTE_SOFTMAX_TOPK = 0, ROUTE_TOPK_SOFTMAX = 1 };
+
+/* The k largest of v [n] (ties: the lower index first) into idx [k], in descending value. */
+static void top_k(const float *v, int64_t n, int64_t k, int64_t *idx) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < n; i++) {
+            int taken = 0;
+            for (int64_t t = 0; t < j && !taken; t++) taken = idx[t] == i;
+            if (!taken && (best < 0 || v[i] > v[best])) best = i;
+        }
+        idx[j] = best;
+    }
+}
+
+/* h = rms_norm(x, norm) fp32 [H]; logits [E] = router_w [E, H] . h (+ router_b); then, unless kind is
+ * ROUTE_LOGITS_ONLY, ids int64 [k] ascending and their weights fp32 [k]. Returns 1 (and routes
+ * nothing) when a logit is not finite. */
+int moerun_moe_route(const float *x, int64_t H, const float *norm, float eps, const float *router_w,
+                     const float *router_b, int64_t E, int kind, int64_t k, int renormalize, float *h,
+                     float *logits, int64_t *ids, float *weights, int nthreads) {
+    if (H <= 0 || E <= 0 || kind < ROUTE_LOGITS_ONLY || kind > ROUTE_TOPK_SOFTMAX) return -1;
+    if (kind != ROUTE_LOGITS_ONLY && (k <= 0 || k > E)) return -1;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp single
+        rms_norm(x, norm, H, eps, h);
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < E; e++)
+            logits[e] = dot16(router_w + e * H, h, H) + (router_b ? router_b[e] : 0.f);
+    }
+    for (int64_t e = 0; e < E; e++)
+        if (!isfinite(logits[e])) return 1;
+    if (kind == ROUTE_LOGITS_ONLY) return 0;
+    int64_t *top = malloc((size_t)k * sizeof *top);
+    float *p = malloc((size_t)E * sizeof *p);
+    if (!top || !p) {
+        free(top), free(p);
+        return -4;
+    }
+    float m = logits[0];
+    for (int64_t e = 1; e < E; e++) m = logits[e] > m ? logits[e] : m;
+    if (kind == ROUTE_SOFTMAX_TOPK) { /* softmax over all experts, then the k most probable */
+        float sum = 0.f;
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(logits[e] - m);
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        top_k(p, E, k, top);
+        float total = 0.f;
+        for (int64_t j = 0; j < k; j++) total += p[top[j]];
+        for (int64_t j = 0; j < k; j++) weights[j] = renormalize ? p[top[j]] / total : p[top[j]];
+    } else { /* the k largest logits, then a softmax over those k */
+        top_k(logits, E, k, top);
+        float mk = logits[top[0]], sum = 0.f;
+        for (int64_t j = 0; j < k; j++) sum += weights[j] = expf(logits[top[j]] - mk);
+        for (int64_t j = 0; j < k; j++) weights[j] /= sum;
+    }
+    for (int64_t j = 0; j < k; j++) ids[j] = top[j];
+    for (int64_t i = 1; i < k; i++) /* ascending id, each weight with its expert */
+        for (int64_t j = i; j > 0 && ids[j - 1] > ids[j]; j--) {
+            int64_t ti = ids[j];
+            float tw = weights[j];
+            ids[j] = ids[j - 1], weights[j] = weights[j - 1];
+            ids[j - 1] = ti, weights[j - 1] = tw;
+        }
+    free(top), free(p);
+    return 0;
+}

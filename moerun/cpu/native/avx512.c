@@ -229,7 +229,8 @@ static inline __attribute__((always_inline)) void b32_int(ROWS_ARGS, int kind) {
 
 /* Four 32-element blocks' weights as int8 in two zmm (blocks 0-1, 2-3), for mxfp4 (both nibble
  * orders) and q4_0 (unsigned codes), with the nibbles split and looked up 64 bytes at a time. */
-static inline void b32x4_nibbles(const uint8_t *blk, int bytes, int off, int kind, __m512i out[2]) {
+static inline void b32x4_nibbles(const uint8_t *blk, int bytes, int off, int kind, const int8_t *values,
+                                 __m512i out[2]) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk + off)));
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + bytes + off)), 1);
@@ -237,7 +238,7 @@ static inline void b32x4_nibbles(const uint8_t *blk, int bytes, int off, int kin
     v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + 3 * bytes + off)), 3);
     __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
     if (kind != F_Q4_0) {
-        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KVALUES_MXFP4));
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)values));
         lo = _mm512_shuffle_epi8(table, lo);
         hi = _mm512_shuffle_epi8(table, hi);
     }
@@ -287,7 +288,7 @@ static inline __attribute__((always_inline)) void b32x4_int(ROWS_ARGS, int kind)
         for (int64_t b = 0; b < nb4; b += 4) {
             const uint8_t *blk = row + b * bytes;
             __m512i wv[2];
-            b32x4_nibbles(blk, bytes, off, kind, wv);
+            b32x4_nibbles(blk, bytes, off, kind, KVALUES_MXFP4, wv);
             float d[4];
             for (int i = 0; i < 4; i++) d[i] = b32_scale(blk + i * bytes, kind);
             for (int t = 0; t < T; t++) {
@@ -313,6 +314,61 @@ static inline __attribute__((always_inline)) void b32x4_int(ROWS_ARGS, int kind)
     }
 }
 
+/* kvalues_mxfp4 + 12: the same weights as unsigned bytes (0 .. 24). */
+static const int8_t KVALUES_MXFP4_U12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#define B32_ONE_MAX_UNITS 256 /* rows of up to 16384 inputs; longer ones take b32_int / b32x4_int */
+
+/* T = 1 for the signed 32-element formats (q8_0, mxfp4): the activation's units (two blocks in one
+ * zmm) prepared once per call, so a row's unit costs one vpdpbusd. Weights go in as unsigned bytes
+ * (q8_0: w + 128; mxfp4: w + 12) and each lane starts at -(offset x the sum of its 4 activations):
+ * the same exact int32 lanes as b32_int's and b32x4_int's sign trick, the same units, accumulators
+ * and fp32 steps, so the same bits. */
+static inline __attribute__((always_inline)) void b32_one(ROWS_ARGS, int kind) {
+    const int x4 = kind != F_Q8_0, bytes = kind == F_Q8_0 ? 34 : 17;
+    const int64_t nb = n / 32, nu = nb / 2;
+    const q8a_t *y = (const q8a_t *)xs[0];
+    __m512i X[B32_ONE_MAX_UNITS], C[B32_ONE_MAX_UNITS];
+    __m512 DY[B32_ONE_MAX_UNITS];
+    const __m512i offset = _mm512_set1_epi8((char)(kind == F_Q8_0 ? 0x80 : 12));
+    for (int64_t u = 0; u < nu; u++) {
+        X[u] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[2 * u].qs)),
+                                  _mm256_loadu_si256((const __m256i *)y[2 * u + 1].qs), 1);
+        C[u] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, X[u]));
+        DY[u] = _mm512_insertf32x8(_mm512_set1_ps(y[2 * u].d), _mm256_set1_ps(y[2 * u + 1].d), 1);
+    }
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+        if (!x4) {
+            for (int64_t u = 0; u < nu; u++) {
+                const uint8_t *blk = row + 2 * u * bytes;
+                __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 2))),
+                                                _mm256_loadu_si256((const __m256i *)(blk + bytes + 2)), 1);
+                __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(blk)), _mm256_set1_ps(f16_at(blk + bytes)), 1);
+                __m512i p = _mm512_dpbusd_epi32(C[u], _mm512_xor_si512(wv, flip), X[u]);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, DY[u]), acc);
+            }
+            ys[0][r] = _mm512_reduce_add_ps(acc);
+            continue;
+        }
+        for (int64_t b = 0; b < nb; b += 4) {
+            const uint8_t *blk = row + b * bytes;
+            __m512i wv[2];
+            b32x4_nibbles(blk, bytes, 1, kind, KVALUES_MXFP4_U12, wv);
+            const int64_t u = b / 2;
+            __m512 d01 = _mm512_insertf32x8(_mm512_set1_ps(E8M0_HALF_TABLE[blk[0]]),
+                                            _mm256_set1_ps(E8M0_HALF_TABLE[blk[bytes]]), 1);
+            __m512 d23 = _mm512_insertf32x8(_mm512_set1_ps(E8M0_HALF_TABLE[blk[2 * bytes]]),
+                                            _mm256_set1_ps(E8M0_HALF_TABLE[blk[3 * bytes]]), 1);
+            __m512i p0 = _mm512_dpbusd_epi32(C[u], wv[0], X[u]), p1 = _mm512_dpbusd_epi32(C[u + 1], wv[1], X[u + 1]);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(d01, DY[u]), acc);
+            acc2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_mul_ps(d23, DY[u + 1]), acc2);
+        }
+        ys[0][r] = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
+    }
+}
+
 #define Q4K_CALL(TT) q45_k_body(w, rb, r0, r1, n, xs, TT, ys, 0)
 #define Q5K_CALL(TT) q45_k_body(w, rb, r0, r1, n, xs, TT, ys, 1)
 #define Q6K_CALL(TT) q6_k_body(w, rb, r0, r1, n, xs, TT, ys)
@@ -328,10 +384,24 @@ static void q3_k_int(ROWS_ARGS) { ONE_OR_T(Q3K_CALL); }
 #define Q40_CALL(TT) b32x4_int(w, rb, r0, r1, n, xs, TT, ys, F_Q4_0)
 #define MX_CALL(TT) b32x4_int(w, rb, r0, r1, n, xs, TT, ys, F_MXFP4)
 #define MXO_CALL(TT) b32x4_int(w, rb, r0, r1, n, xs, TT, ys, F_MXFP4_OSS)
-static void q8_0_int(ROWS_ARGS) { ONE_OR_T(Q80_CALL); }
+/* b32_one where its units cover the row exactly (x4 kinds: whole groups of four blocks) */
+static int b32_one_fits(int kind, int64_t n) {
+    const int64_t nb = n / 32;
+    return nb / 2 <= B32_ONE_MAX_UNITS && (kind == F_Q8_0 ? nb % 2 == 0 : nb % 4 == 0);
+}
+static void q8_0_int(ROWS_ARGS) {
+    if (T == 1 && b32_one_fits(F_Q8_0, n)) b32_one(w, rb, r0, r1, n, xs, 1, ys, F_Q8_0);
+    else ONE_OR_T(Q80_CALL);
+}
 static void q4_0_int(ROWS_ARGS) { ONE_OR_T(Q40_CALL); }
-static void mxfp4_int(ROWS_ARGS) { ONE_OR_T(MX_CALL); }
-static void mxfp4_oss_int(ROWS_ARGS) { ONE_OR_T(MXO_CALL); }
+static void mxfp4_int(ROWS_ARGS) {
+    if (T == 1 && b32_one_fits(F_MXFP4, n)) b32_one(w, rb, r0, r1, n, xs, 1, ys, F_MXFP4);
+    else ONE_OR_T(MX_CALL);
+}
+static void mxfp4_oss_int(ROWS_ARGS) {
+    if (T == 1 && b32_one_fits(F_MXFP4_OSS, n)) b32_one(w, rb, r0, r1, n, xs, 1, ys, F_MXFP4_OSS);
+    else ONE_OR_T(MXO_CALL);
+}
 
 void init_avx512(void) {
     init_avx512_exact();

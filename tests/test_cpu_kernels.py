@@ -198,3 +198,19 @@ def test_dispatch_picks_the_best_variant_this_cpu_runs():
     assert cpu.isa() == VARIANTS[-1]
     assert library.pick_variant(frozenset(), None) == "generic"
     assert library.pick_variant(frozenset(library.REQUIRED["avx512"]), "avx2") == "avx2"
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_dequantized_rows_are_the_dequantisers_values_bit_for_bit(fmt_name):
+    """The embedding lookup of a quantised table (cpu.dequantize_rows) against dequant.py (itself
+    equal to the gguf package's, above), on rows out of order and repeated."""
+    w = make_weight(fmt_name)
+    rows = torch.tensor([5, 0, 36, 5, 17])
+    ours = cpu.dequantize_rows(fmt_name, w, IN, rows)
+    if fmt_name in FLOAT_DTYPES:
+        want = w[rows].float()
+    else:
+        want = dequant.dequantize_bytes(get_format(fmt_name), w[rows])
+    assert torch.equal(ours.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(IndexError, match="rows"):
+        cpu.dequantize_rows(fmt_name, w, IN, torch.tensor([OUT]))

@@ -42,6 +42,7 @@ __all__ = [
     "moe_decode",
     "moe_decode_table",
     "moe_route",
+    "dequantize_rows",
     "AttentionDecode",
     "quantize",
 ]
@@ -128,6 +129,22 @@ def matmul(
     )
     library.check(rc, "moerun_matmul")
     return out if x.ndim == 2 else out[0]
+
+
+def dequantize_rows(fmt_name: str, data: torch.Tensor, n: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64 [count]) of a weight (as `matmul` takes it, n inputs a row) as float32
+    [count, n], each value as the exact mode computes it (dequant.py's, bit for bit): the embedding
+    lookup of a quantised table. Rows outside the weight: IndexError."""
+    row_bytes = _check_weight(fmt_name, data, n, "dequantize_rows")
+    rows = rows.reshape(-1).to(torch.int64).contiguous()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= data.shape[0]):
+        raise IndexError(f"dequantize_rows: rows must lie in [0, {data.shape[0]}).")
+    out = torch.empty(rows.numel(), n, dtype=torch.float32)
+    rc = library.native().dequantize_rows(
+        FORMAT_IDS[fmt_name], data.data_ptr(), row_bytes, n, rows.data_ptr(), rows.numel(), out.data_ptr()
+    )
+    library.check(rc, "moerun_dequantize_rows")
+    return out
 
 
 def quantize(x: torch.Tensor, act: str) -> torch.Tensor:

@@ -73,6 +73,7 @@ class Native:
     threads_used: ctypes._CFuncPtr
     attention_decode: ctypes._CFuncPtr
     moe_route: ctypes._CFuncPtr
+    dequantize_rows: ctypes._CFuncPtr
     gemm_formats: frozenset[str]  # formats whose integer matmul takes the prefill GEMM for larger T
 
 
@@ -207,6 +208,8 @@ def _bind(lib: ctypes.CDLL, variant: str, features: frozenset[str]) -> Native:
         attention_decode=_typed(
             lib, "moerun_attention_decode", _i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i32, _i32
         ),
+        # fmt, w, row_bytes, n, rows, count, out
+        dequantize_rows=_typed(lib, "moerun_dequantize_rows", _i32, _i32, _ptr, _i64, _i64, _ptr, _i64, _ptr),
         # x, H, norm, eps, router_w, router_b, E, kind, k, renormalize, h, logits, ids, weights, nthreads
         moe_route=_typed(
             lib,

@@ -73,7 +73,7 @@ class MoEModel:
         self.tokenizer = tokenizer  # text prompts and outputs; None: ids only
         self.prefill_chunk = prefill_chunk
         self.generator = Generator(self)
-        native = backend == "cpu"
+        native = self._native_linears = backend == "cpu"
         self.project: Linear = (
             functools.partial(linear, native=True, integer=options.int8_on_cpu(dtype)) if native else linear
         )
@@ -223,12 +223,18 @@ class MoEModel:
         self.expert_cache.prefetch([(moe.name, e) for e in top])
 
     def hidden_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [..., H] -> logits fp32 [..., vocab]."""
+        """Final hidden states [..., H] -> logits fp32 [..., vocab] (the native kernels compute them in
+        fp32 and return them so, not rounded to the compute dtype)."""
+        if self._native_linears:
+            return self.project(hidden.float(), self.lm_head)
         return self.project(hidden, self.lm_head).float()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] -> their embedding rows [B, T, H] in the compute dtype (a quantised table's
         rows are dequantised as they are looked up)."""
+        if isinstance(self.embed, QTensor) and self._native_linears:
+            rows = cpu.dequantize_rows(self.embed.format.name, self.embed.data, self.embed.shape[1], ids)
+            return rows.to(self.dtype).view(*ids.shape, -1)
         if isinstance(self.embed, QTensor):
             rows = self.embed.data[ids.reshape(-1)]  # [B*T, row_bytes]
             # a few rows: the torch dequantiser (numba would compile, costing more than it saves)

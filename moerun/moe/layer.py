@@ -17,6 +17,7 @@ from moerun.activations import GLU, Activation
 from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, Backend, KernelOptions, get_backend
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
+from moerun.moe.plan import TokenPlan
 from moerun.moe.routing import (
     RouterCheck,
     RouterError,
@@ -288,7 +289,7 @@ class MoELayer:
             weights, ids = route(spec.routing, logits[None], t.get("router.score_bias"))
         trace.router_figures(logits[None], ids.reshape(1, -1), weights.reshape(1, -1), spec.num_experts)
         self._route_ms = 1e3 * (time.perf_counter() - route_start)
-        plan = backend.token_plan(ids, weights, self.name)
+        plan = TokenPlan(ids.reshape(-1).tolist(), weights.reshape(-1))  # both rules give ids ascending
         if self.experts.stream is not None:
             self._fetch(plan.experts, after_fetch)
         out = backend.token_forward(h, plan, self.experts, spec.activation, self.options)  # [H] fp32

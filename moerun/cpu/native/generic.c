@@ -405,3 +405,50 @@ void quantize_q8a(const float *x, int64_t n, q8a_t *y) {
         y->d = f16_to_f32(f32_to_f16(d));
     }
 }
+
+/* ------------------------------------------------------------------ row dequantisation */
+
+/* Rows `rows[0 .. count)` of weights w (row_bytes apart, n elements each, format fmt) as fp32 into
+ * out [count, n], each value as the exact mode computes it (dequant.py's float operations): an
+ * embedding lookup of a quantised table. */
+int moerun_dequantize_rows(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, const int64_t *rows,
+                           int64_t count, float *out) {
+    extern void moerun_ensure_init(void);
+    moerun_ensure_init();
+    if (fmt < 0 || fmt >= F_COUNT) return -1;
+    if (n % FMT[fmt].block) return -2;
+    static const kunpack_fn kun[F_COUNT] = {[F_Q2_K] = unpack_q2_k, [F_Q3_K] = unpack_q3_k, [F_Q4_K] = unpack_q4_k,
+                                            [F_Q5_K] = unpack_q5_k, [F_Q6_K] = unpack_q6_k};
+    static const bunpack_fn bun[F_COUNT] = {[F_Q8_0] = unpack_q8_0, [F_Q4_0] = unpack_q4_0, [F_MXFP4] = unpack_mxfp4,
+                                            [F_MXFP4_OSS] = unpack_mxfp4_oss};
+    const int bytes = FMT[fmt].bytes, has_min = fmt == F_Q2_K || fmt == F_Q4_K || fmt == F_Q5_K;
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *row = w + rows[i] * row_bytes;
+        float *o = out + i * n;
+        if (fmt == F_F32 || fmt == F_F16 || fmt == F_BF16) {
+            for (int64_t j = 0; j < n; j++) o[j] = load_float(row, j, fmt);
+        } else if (kun[fmt]) {
+            for (int64_t b = 0; b < n / 256; b++) {
+                int8_t q[256];
+                int16_t sc[16], mn[16];
+                float d, dmin;
+                kun[fmt](row + b * bytes, q, sc, mn, &d, &dmin);
+                for (int g = 0; g < 16; g++) {
+                    float step = d * (float)sc[g], off = dmin * (float)mn[g];
+                    for (int l = 0; l < 16; l++) {
+                        float x = step * (float)q[16 * g + l];
+                        o[b * 256 + 16 * g + l] = has_min ? x - off : x;
+                    }
+                }
+            }
+        } else {
+            for (int64_t b = 0; b < n / 32; b++) {
+                int8_t q[32];
+                float d;
+                bun[fmt](row + b * bytes, q, &d);
+                for (int j = 0; j < 32; j++) o[b * 32 + j] = d * (float)q[j];
+            }
+        }
+    }
+    return 0;
+}

@@ -60,7 +60,8 @@ class _Column:
 
 class _Table:
     """One layer's experts as the native decode step reads them. The tensors never move (resident
-    weights, or the cache's slot pool), so their addresses are read once."""
+    weights, or the cache's slot pool), so their addresses are read once: `by_place` holds every
+    expert's (or slot's) weight addresses, `by_expert` every expert's bias addresses."""
 
     def __init__(self, experts: ExpertWeights):
         if experts.stream is None:
@@ -72,21 +73,30 @@ class _Table:
                 for w, p in ((experts.gate_up, "gate_up"), (experts.down, "down"))
             ]
         self.formats = [FORMAT_IDS[fmt] for fmt, _ in stacked]
-        self.weights = tuple(_Column.of(t) for _, t in stacked)  # indexed by expert, or by slot
+        gu, dn = (_Column.of(t) for _, t in stacked)  # indexed by expert, or by slot
         # the kernels add fp32 biases; kept here, as the columns point into them
         self._biases = [
             None if b is None else b.float().contiguous() for b in (experts.gate_up_bias, experts.down_bias)
         ]
-        self.biases = tuple(_Column.of(b) for b in self._biases)  # indexed by expert
+        gub, dnb = (_Column.of(b) for b in self._biases)  # indexed by expert
+        places, E = stacked[0][1].shape[0], experts.gate_up.shape[0]
+        self.by_place = torch.tensor([[gu.at(p), dn.at(p)] for p in range(places)], dtype=torch.int64)
+        self.by_expert = torch.tensor([[gub.at(e), dnb.at(e)] for e in range(E)], dtype=torch.int64)
         self.intermediate = experts.down.shape[-1]
+        self._per_k: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rows(self, experts: list[int], places: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pointer table int64 [k, 4] and formats int32 [k, 2] of `experts`, whose weights are
-        at `places` (their own ids, or their cache slots)."""
-        (gu, dn), (gub, dnb) = self.weights, self.biases
-        table = [[gu.at(p), dn.at(p), gub.at(e), dnb.at(e)] for e, p in zip(experts, places, strict=True)]
-        formats = torch.tensor([self.formats] * len(experts), dtype=torch.int32)
-        return torch.tensor(table, dtype=torch.int64), formats
+    def rows(self, experts: torch.Tensor, places: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pointer table int64 [k, 4] and formats int32 [k, 2] of `experts` (int64 [k]), whose
+        weights are at `places` (their own ids, or their cache slots)."""
+        table = torch.cat([self.by_place[places], self.by_expert[experts]], dim=1)
+        return table, self.per_k(len(experts))[0]
+
+    def per_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(formats int32 [k, 2], slot rows int32 [1, k] = 0 .. k-1), made once per k."""
+        if k not in self._per_k:
+            formats = torch.tensor([self.formats] * k, dtype=torch.int32)
+            self._per_k[k] = formats, torch.arange(k, dtype=torch.int32).reshape(1, k)
+        return self._per_k[k]
 
 
 def _format(weight, pool: torch.Tensor) -> str:
@@ -132,17 +142,17 @@ def token_forward(
 ) -> torch.Tensor:
     """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
     table = _table(experts)
-    places = plan.experts
-    if experts.stream is not None:
-        places = experts.stream.slot_ids(torch.tensor(plan.experts)).tolist()
-    pointers, formats = table.rows(plan.experts, places)
+    ids = torch.tensor(plan.experts, dtype=torch.int64)
+    places = ids if experts.stream is None else experts.stream.slot_ids(ids).long()
+    pointers, formats = table.rows(ids, places)
     k = len(plan.experts)
+    slots = table.per_k(k)[1]
     out = cpu.moe_decode_table(
         x.float().reshape(1, -1),
         pointers,
         formats,
         table.intermediate,
-        torch.arange(k, dtype=torch.int32).reshape(1, k),
+        slots,
         plan.weights.float().reshape(1, k).contiguous(),
         act,
         integer=options.int8_on_cpu(experts.dtype),
@@ -168,8 +178,7 @@ def tokens_forward(
     ids, weights = torch.gather(ids, 1, order), torch.gather(weights.float(), 1, order)
     distinct, rows = torch.unique(ids, return_inverse=True)  # ascending; rows [T, k] index them
     table = _table(experts)
-    step_experts = distinct.tolist()
-    pointers, formats = table.rows(step_experts, step_experts)
+    pointers, formats = table.rows(distinct, distinct)
     return cpu.moe_decode_table(
         x.float().contiguous(),
         pointers,

@@ -53,4 +53,4 @@ def linear(
         return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
     # torch's own choice of kernel: a 1-row bf16 torch.mv read the weight 1.4x faster than F.linear
     # on a Xeon but 3x slower on a Zen 5 (docs/PERFORMANCE.md), so neither is preferred here
-    return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)

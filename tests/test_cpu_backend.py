@@ -186,3 +186,26 @@ def test_a_small_batch_decodes_in_one_call_like_each_token_alone(gate_up, down, 
         assert rel_err(batch, alone) <= 1e-6
         if options is EXACT:
             assert rel_err(batch, _layer(gate_up, down, "torch")(x)) <= 1e-5
+
+
+@pytest.mark.parametrize("tokens", [40, 131])
+@pytest.mark.parametrize(("gate_up", "down"), MIXES)
+def test_a_prompt_runs_each_expert_once_with_the_row_kernels_bits(gate_up, down, tokens):
+    """A prompt's MoE step in one native call: experts with enough tokens go through the prefill
+    GEMM, which gives the row kernels' bits (gemm=False); the layer matches the torch backend in
+    exact mode, and int8 mode stays within its bound of the exact one."""
+    from moerun.moe.backends import cpu_backend
+
+    x = torch.randn(tokens, QH, generator=torch.Generator().manual_seed(8))
+    layer = _layer(gate_up, down, "cpu", INT8)
+    weights, ids = route(SPEC.routing, torch.nn.functional.linear(x, layer.tensors["router.weight"]))
+    table = cpu_backend._table(layer.experts)
+    distinct = torch.unique(ids)
+    assert torch.bincount(ids.reshape(-1)).max() >= 16  # an expert with enough tokens for every GEMM
+    pointers, formats = table.rows(distinct, distinct)
+    slots = torch.searchsorted(distinct, ids).to(torch.int32)
+    args = (x, pointers, formats, QI, slots, weights.contiguous(), SPEC.activation, True)
+    assert torch.equal(cpu.moe_decode_table(*args), cpu.moe_decode_table(*args, gemm=False))
+    exact = _layer(gate_up, down, "cpu", EXACT)(x)
+    assert rel_err(exact, _layer(gate_up, down, "torch")(x)) <= 1e-5
+    assert 0 < rel_err(layer(x), exact) <= 5e-2

@@ -185,20 +185,32 @@ def moe_decode_table(
     act: Activation,
     integer: bool = False,
     variant: str | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    gemm: bool = True,
 ) -> torch.Tensor:
-    """The MoE decode step over a prebuilt pointer table (no per-expert Python; the caller keeps the
-    tensors the table points into alive and checked).
+    """The MoE step over a prebuilt pointer table (no per-expert Python; the caller keeps the
+    tensors the table points into alive and checked), for one token or many: each expert's rows are
+    read once for all its tokens (through the prefill GEMM where an expert has enough of them).
 
     x float32 [T, H]; table int64 [E, 4]: addresses of each expert's gate_up [2I, H] and down [H, I]
     weights and of its fp32 gate_up bias [2I] and down bias [H] (0: none); formats int32 [E, 2]:
     FORMAT_IDS of gate_up and down; slot_expert int32 [T, k]: rows of the table, each token's slots in
-    ascending expert id; slot_weight float32 [T, k]. -> out float32 [T, H] = sum over a token's slots,
-    in order, of weight * (down(act(gate_up(x) + b_gu)) + b_down)."""
+    ascending expert id, -1 for a slot this call leaves out; slot_weight float32 [T, k]. -> out
+    float32 [T, H]: per token o = o + weight * (down(act(gate_up(x) + b_gu)) + b_down) over its slots
+    in order, from 0, or with `accumulate` from what `out` holds (a step split into calls over
+    ascending groups of experts then sums the same sequence as one call). gemm=False: the row
+    kernels only (the same bits)."""
     native = library.native(variant)
     x = _check_x(x, "moe_decode")
     T, H = x.shape
     kind, alpha, limit = _activation(act)
-    out = torch.empty(T, H, dtype=torch.float32)
+    if out is None:
+        if accumulate:
+            raise ValueError("moe_decode: accumulate needs the `out` holding the sums so far.")
+        out = torch.empty(T, H, dtype=torch.float32)
+    elif out.shape != (T, H) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"moe_decode: out must be contiguous float32 [{T}, {H}].")
     rc = native.moe_decode(
         table.shape[0],
         table.data_ptr(),
@@ -214,7 +226,7 @@ def moe_decode_table(
         kind,
         alpha,
         limit,
-        int(integer),
+        int(integer) | (2 if accumulate else 0) | (0 if gemm else 4),
         torch.get_num_threads(),
     )
     library.check(rc, "moerun_moe_decode")

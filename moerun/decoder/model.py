@@ -225,9 +225,7 @@ class MoEModel:
     def hidden_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., H] -> logits fp32 [..., vocab] (the native kernels compute them in
         fp32 and return them so, not rounded to the compute dtype)."""
-        if self._native_linears:
-            return self.project(hidden.float(), self.lm_head)
-        return self.project(hidden, self.lm_head).float()
+        return self.project(hidden.float() if self._native_linears else hidden, self.lm_head).float()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] -> their embedding rows [B, T, H] in the compute dtype (a quantised table's

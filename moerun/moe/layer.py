@@ -236,6 +236,11 @@ class MoELayer:
                 plan = backend.token_plan(ids, weights, self.name)
             with trace.stage("experts", x.device):  # the experts and their ordered sum
                 out = backend.token_forward(x[0], plan, self.experts, spec.activation, self.options)[None]
+        elif hasattr(backend, "tokens_forward"):  # the step's experts and their sums in native calls
+            with trace.stage("experts", x.device):
+                out = backend.tokens_forward(
+                    x, ids, weights, self.experts, spec.activation, self.options, self.workspace
+                )
         else:
             with trace.stage("plan", x.device):
                 plan = backend.batch_plan(ids, weights, spec.num_experts)

@@ -34,6 +34,10 @@ class LayerStream:
         if self._groups:
             self._fetch(0)
 
+    def groups(self) -> list[list[int]]:
+        """The step's experts in the groups they are fetched in (ascending), as `begin` split them."""
+        return [list(g) for g in self._groups]
+
     def tensors(self, e: int) -> dict[str, torch.Tensor]:
         """Expert e's slot views; fetches e's group first when the step was split."""
         group = self._group_of.get(e)

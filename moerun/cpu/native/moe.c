@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "gemm.h"
 
 enum { ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_GPT_OSS };
 
@@ -54,23 +55,32 @@ typedef struct {
     const uint8_t *w;
     size_t rb;
     rows_fn fn;
-    int act;
+    int act, fmt;
+    int gemm;  /* this expert's projection runs the prefill GEMM (enough tokens) */
+    void *xl;  /* its rearranged activations (GEMM only) */
 } proj_t;
 
-/* Rows [lo, hi) of the concatenation of every expert's `rows`-row projection, for each expert's slots. */
-static void phase_rows(const proj_t *p, int64_t lo, int64_t hi, int64_t rows, int64_t n,
-                       const int64_t *off, const int32_t *slots, const char *const *act_base,
-                       const size_t *act_stride, int64_t k, int by_token, float *y, int64_t y_stride) {
+/* Rows [lo, hi) of the concatenation of every expert's `rows`-row projection. Expert e's tokens sit
+ * at positions off[e] .. off[e + 1] - 1 (the step's slots ordered by expert); position p reads
+ * input row in_row[p] of act_base and writes y + p * y_stride. */
+static void phase_rows(const proj_t *p, int64_t lo, int64_t hi, int64_t rows, int64_t n, const int64_t *off,
+                       const int64_t *in_row, const char *const *act_base, const size_t *act_stride,
+                       float *y, int64_t y_stride) {
     for (int64_t e = lo / rows; e * rows < hi; e++) {
         int64_t r0 = lo > e * rows ? lo - e * rows : 0, r1 = hi < (e + 1) * rows ? hi - e * rows : rows;
+        if (off[e + 1] == off[e]) continue;
+        if (p[e].gemm) {
+            GEMM[p[e].fmt].run(p[e].fmt, p[e].w, p[e].rb, r0, r1, n, p[e].xl, off[e + 1] - off[e],
+                               y + off[e] * y_stride, y_stride);
+            continue;
+        }
         for (int64_t i0 = off[e]; i0 < off[e + 1]; i0 += MAX_T) {
             int nt = (int)(off[e + 1] - i0 < MAX_T ? off[e + 1] - i0 : MAX_T);
             const void *xs[MAX_T];
             float *ys[MAX_T];
             for (int i = 0; i < nt; i++) {
-                int64_t s = slots[i0 + i], row = by_token ? s / k : s;
-                xs[i] = act_base[p[e].act] + (size_t)row * act_stride[p[e].act];
-                ys[i] = y + s * y_stride;
+                xs[i] = act_base[p[e].act] + (size_t)in_row[i0 + i] * act_stride[p[e].act];
+                ys[i] = y + (i0 + i) * y_stride;
             }
             p[e].fn(p[e].w, p[e].rb, r0, r1, n, xs, nt, ys);
         }
@@ -86,20 +96,46 @@ static int64_t work_row(int64_t b, int64_t rows, const int64_t *off, int64_t E) 
     return E * rows;
 }
 
+static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64); }
+
+/* Sets up the GEMM of each expert's projection that has enough tokens (integer mode, a GEMM for its
+ * format): the byte offsets of their rearranged activations in one buffer; returns its size. */
+static size_t plan_gemm(proj_t *p, int64_t E, const int64_t *off, int64_t n, int integer, int allow,
+                        size_t *xl_off) {
+    size_t total = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int f = p[e].fmt;
+        const int64_t cnt = off[e + 1] - off[e];
+        p[e].gemm = allow && integer && GEMM[f].run && cnt >= GEMM[f].min_t;
+        xl_off[e] = total;
+        if (p[e].gemm) total += (GEMM[f].size(f, cnt, n) + 63) / 64 * 64;
+    }
+    return total;
+}
+
 /* table int64 [E, 4]: gate_up, down, gate_up bias (0: none), down bias (0: none) addresses;
  * fmts int32 [E, 2]: their formats. slot_expert int32 [T * k]: each slot's row of the table (a
- * token's slots ordered by expert id); slot_weight fp32 [T * k]. x [T, H] -> out [T, H]. */
+ * token's slots ordered by expert id; -1: a slot this call does not compute); slot_weight fp32
+ * [T * k]. x [T, H] -> out [T, H]: each token's computed slots summed in order, o = o + w * y, from 0
+ * or (flags bit 1, accumulate) from what out holds, so a step split over calls in ascending groups
+ * of experts sums the very same sequence. flags: bit 0 integer mode, bit 1 accumulate, bit 2 row
+ * kernels only (no prefill GEMM; the bits are the same). */
 int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int64_t H, int64_t I,
                       int64_t T, int64_t k, const int32_t *slot_expert, const float *slot_weight,
-                      const float *x, float *out, int act_kind, float alpha, float limit, int integer,
+                      const float *x, float *out, int act_kind, float alpha, float limit, int flags,
                       int nthreads) {
     extern void moerun_ensure_init(void);
     moerun_ensure_init();
+    const int integer = flags & 1, accumulate = flags & 2, allow_gemm = !(flags & 4);
     const int64_t S = T * k, R1 = 2 * I;
     if (E <= 0 || S <= 0 || act_kind < 0 || act_kind > ACT_GPT_OSS) return -1;
     proj_t *gu = calloc((size_t)E, sizeof *gu), *dn = calloc((size_t)E, sizeof *dn);
     int64_t *off = calloc((size_t)E + 1, sizeof *off);
-    int32_t *slots = malloc((size_t)S * sizeof *slots);
+    int64_t *pos = malloc((size_t)S * sizeof *pos);          /* slot -> position */
+    int64_t *tok = malloc((size_t)S * sizeof *tok);          /* position -> token */
+    int64_t *ident = malloc((size_t)S * sizeof *ident);      /* position -> position */
+    int64_t *expert_at = malloc((size_t)S * sizeof *expert_at);
+    size_t *xl_off = calloc((size_t)E * 2, sizeof *xl_off);
     int need[2][3] = {{0}};
     int err = 0;
     for (int64_t e = 0; e < E && !err && gu && dn; e++) {
@@ -115,33 +151,56 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
             p->rb = (size_t)(n / FMT[f].block * FMT[f].bytes);
             p->act = integer ? FMT[f].act : ACT_F32;
             p->fn = p->act == ACT_F32 ? FMT[f].exact : FMT[f].integer;
+            p->fmt = f;
             need[j][p->act] = 1;
         }
     }
     for (int64_t s = 0; s < S && !err; s++)
-        if (slot_expert[s] < 0 || slot_expert[s] >= E) err = -3;
-    if (!err && off && slots) {
-        for (int64_t s = 0; s < S; s++) off[slot_expert[s] + 1]++;
+        if (slot_expert[s] < -1 || slot_expert[s] >= E) err = -3;
+    int64_t P = 0; /* positions: the computed slots */
+    if (!err && off && pos && tok && ident && expert_at) {
+        for (int64_t s = 0; s < S; s++)
+            if (slot_expert[s] >= 0) off[slot_expert[s] + 1]++;
         for (int64_t e = 0; e < E; e++) off[e + 1] += off[e];
+        P = off[E];
         int64_t *fill = malloc((size_t)E * sizeof *fill);
         if (fill) {
             memcpy(fill, off, (size_t)E * sizeof *fill);
-            for (int64_t s = 0; s < S; s++) slots[fill[slot_expert[s]]++] = (int32_t)s;
+            for (int64_t s = 0; s < S; s++) {
+                if (slot_expert[s] < 0) continue;
+                int64_t p = fill[slot_expert[s]]++;
+                pos[s] = p, tok[p] = s / k, ident[p] = p, expert_at[p] = slot_expert[s];
+            }
             free(fill);
         } else err = -4;
     }
     size_t xk = q_bytes(ACT_Q8_K, H), x0 = q_bytes(ACT_Q8_0, H);
     size_t ak = q_bytes(ACT_Q8_K, I), a0 = q_bytes(ACT_Q8_0, I);
-    float *h = malloc((size_t)(S * R1) * sizeof(float)), *a = malloc((size_t)(S * I) * sizeof(float));
-    float *y = malloc((size_t)(S * H) * sizeof(float));
+    const size_t P1 = (size_t)(P > 0 ? P : 1);
+    float *h = malloc(P1 * (size_t)R1 * sizeof(float)), *a = malloc(P1 * (size_t)I * sizeof(float));
+    float *y = malloc(P1 * (size_t)H * sizeof(float));
     char *xq_k = need[0][ACT_Q8_K] ? malloc(xk * (size_t)T) : NULL;
     char *xq_0 = need[0][ACT_Q8_0] ? malloc(x0 * (size_t)T) : NULL;
-    char *aq_k = need[1][ACT_Q8_K] ? malloc(ak * (size_t)S) : NULL;
-    char *aq_0 = need[1][ACT_Q8_0] ? malloc(a0 * (size_t)S) : NULL;
-    if (!gu || !dn || !off || !slots || !h || !a || !y || (need[0][ACT_Q8_K] && !xq_k) ||
-        (need[0][ACT_Q8_0] && !xq_0) || (need[1][ACT_Q8_K] && !aq_k) || (need[1][ACT_Q8_0] && !aq_0))
+    char *aq_k = need[1][ACT_Q8_K] ? malloc(ak * P1) : NULL;
+    char *aq_0 = need[1][ACT_Q8_0] ? malloc(a0 * P1) : NULL;
+    char *xl1 = NULL, *xl2 = NULL, *xg = NULL; /* the GEMMs' activations; gathered token rows */
+    if (!gu || !dn || !off || !pos || !tok || !ident || !expert_at || !xl_off || !h || !a || !y ||
+        (need[0][ACT_Q8_K] && !xq_k) || (need[0][ACT_Q8_0] && !xq_0) || (need[1][ACT_Q8_K] && !aq_k) ||
+        (need[1][ACT_Q8_0] && !aq_0))
         err = err ? err : -4;
     if (!err) {
+        size_t n1 = plan_gemm(gu, E, off, H, integer, allow_gemm, xl_off);
+        size_t n2 = plan_gemm(dn, E, off, I, integer, allow_gemm, xl_off + E);
+        xl1 = n1 ? alloc64(n1) : NULL, xl2 = n2 ? alloc64(n2) : NULL;
+        xg = n1 ? malloc((xk > x0 ? xk : x0) * P1) : NULL;
+        if ((n1 && (!xl1 || !xg)) || (n2 && !xl2)) err = -4;
+        for (int64_t e = 0; e < E && !err; e++) {
+            gu[e].xl = gu[e].gemm ? xl1 + xl_off[e] : NULL;
+            dn[e].xl = dn[e].gemm ? xl2 + xl_off[E + e] : NULL;
+        }
+    }
+    if (!err && !accumulate) memset(out, 0, (size_t)(T * H) * sizeof(float));
+    if (!err && P > 0) {
         const char *xb[3] = {(const char *)x, xq_0, xq_k}, *ab[3] = {(const char *)a, aq_0, aq_k};
         size_t xst[3] = {(size_t)H * sizeof(float), x0, xk}, ast[3] = {(size_t)I * sizeof(float), a0, ak};
 #pragma omp parallel num_threads(nthreads)
@@ -152,35 +211,57 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
                 if (xq_k) quantize_q8k(x + t * H, H, (q8k_t *)(xq_k + t * xk));
                 if (xq_0) quantize_q8a(x + t * H, H, (q8a_t *)(xq_0 + t * x0));
             }
-            phase_rows(gu, work_row(S * R1 * tid / nth, R1, off, E), work_row(S * R1 * (tid + 1) / nth, R1, off, E),
-                       R1, H, off, slots, xb, xst, k, 1, h, R1);
+            if (xl1) { /* the GEMM experts' tokens gathered, then rearranged */
+#pragma omp for schedule(dynamic)
+                for (int64_t e = 0; e < E; e++) {
+                    if (!gu[e].gemm) continue;
+                    const int f = gu[e].fmt, act = FMT[f].act;
+                    const size_t b = xst[act];
+                    char *g = xg + off[e] * (xk > x0 ? xk : x0); /* room for either block kind */
+                    for (int64_t q = off[e]; q < off[e + 1]; q++) memcpy(g + (q - off[e]) * b, xb[act] + tok[q] * b, b);
+                    const int64_t cnt = off[e + 1] - off[e];
+                    for (int64_t gi = 0; gi < (cnt + GEMM_TOKENS - 1) / GEMM_TOKENS; gi++)
+                        GEMM[f].prep(f, g, gi, cnt, H, gu[e].xl);
+                }
+            }
+            phase_rows(gu, work_row(P * R1 * tid / nth, R1, off, E), work_row(P * R1 * (tid + 1) / nth, R1, off, E),
+                       R1, H, off, tok, xb, xst, h, R1);
 #pragma omp barrier
 #pragma omp for schedule(static)
-            for (int64_t s = 0; s < S; s++) {
-                int64_t e = slot_expert[s];
+            for (int64_t q = 0; q < P; q++) {
+                int64_t e = expert_at[q];
                 const float *bias = (const float *)(intptr_t)table[4 * e + 2];
-                activate(act_kind, alpha, limit, h + s * R1, bias, I, a + s * I);
-                if (dn[e].act != ACT_F32) quant(dn[e].act, a + s * I, I, (char *)ab[dn[e].act] + s * ast[dn[e].act]);
+                activate(act_kind, alpha, limit, h + q * R1, bias, I, a + q * I);
+                if (dn[e].act != ACT_F32) quant(dn[e].act, a + q * I, I, (char *)ab[dn[e].act] + q * ast[dn[e].act]);
             }
-            phase_rows(dn, work_row(S * H * tid / nth, H, off, E), work_row(S * H * (tid + 1) / nth, H, off, E), H,
-                       I, off, slots, ab, ast, k, 0, y, H);
+            if (xl2) {
+#pragma omp for schedule(dynamic)
+                for (int64_t e = 0; e < E; e++) {
+                    if (!dn[e].gemm) continue;
+                    const int f = dn[e].fmt;
+                    const int64_t cnt = off[e + 1] - off[e];
+                    const char *g = ab[FMT[f].act] + off[e] * ast[FMT[f].act];
+                    for (int64_t gi = 0; gi < (cnt + GEMM_TOKENS - 1) / GEMM_TOKENS; gi++)
+                        GEMM[f].prep(f, g, gi, cnt, I, dn[e].xl);
+                }
+            }
+            phase_rows(dn, work_row(P * H * tid / nth, H, off, E), work_row(P * H * (tid + 1) / nth, H, off, E), H,
+                       I, off, ident, ab, ast, y, H);
 #pragma omp barrier
             int64_t c0 = H * tid / nth, c1 = H * (tid + 1) / nth;
             for (int64_t t = 0; t < T; t++) {
                 float *o = out + t * H;
                 for (int64_t j = 0; j < k; j++) {
                     int64_t s = t * k + j;
-                    const float *ys = y + s * H, *bias = (const float *)(intptr_t)table[4 * slot_expert[s] + 3];
+                    if (slot_expert[s] < 0) continue;
+                    const float *ys = y + pos[s] * H, *bias = (const float *)(intptr_t)table[4 * slot_expert[s] + 3];
                     float wgt = slot_weight[s];
-                    for (int64_t c = c0; c < c1; c++) {
-                        float v = (bias ? ys[c] + bias[c] : ys[c]) * wgt;
-                        o[c] = j ? o[c] + v : v;
-                    }
+                    for (int64_t c = c0; c < c1; c++) o[c] = o[c] + (bias ? ys[c] + bias[c] : ys[c]) * wgt;
                 }
             }
         }
     }
-    free(gu), free(dn), free(off), free(slots), free(h), free(a), free(y);
-    free(xq_k), free(xq_0), free(aq_k), free(aq_0);
+    free(gu), free(dn), free(off), free(pos), free(tok), free(ident), free(expert_at), free(xl_off);
+    free(h), free(a), free(y), free(xq_k), free(xq_0), free(aq_k), free(aq_0), free(xl1), free(xl2), free(xg);
     return err;
 }

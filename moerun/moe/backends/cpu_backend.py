@@ -4,9 +4,11 @@ format.
 Decode (one token) is ONE native call: a pointer table over the token's k experts (resident: rows
 of the layer's [E, ...] tensors; streamed: the cache's slots, which never move), then gate/up of all
 k, the activation with the routing weight, down and the ordered row sum in one parallel region.
-Prefill gathers each expert's rows and runs its two projections through the native matmul (a dense
-expert with many rows goes through torch's GEMM, as moerun.linear decides); the combine is the torch
-backend's, summing each token's rows in plan order. `options.int8_activations`: activations quantised
+Many tokens (a server's decode step, a prompt) are one native call too, each expert's rows read
+once for all its tokens (the prefill GEMM where it has enough of them), except dense experts with
+more rows than moerun.linear gives the native kernels: those gather each expert's rows into torch's
+GEMM (oneDNN, faster on many rows), the combine summing each token's rows in plan order.
+`options.int8_activations`: activations quantised
 per block to int8 for integer dot products, as llama.cpp does (None: on unless the compute dtype is
 fp32, whose users ask for the exact numbers).
 """
@@ -22,7 +24,7 @@ import torch
 from moerun import cpu
 from moerun.activations import Activation
 from moerun.cpu.library import FORMAT_IDS
-from moerun.linear import linear, native_weight
+from moerun.linear import NATIVE_ROWS, linear, native_weight
 from moerun.moe.backends import KernelOptions
 from moerun.moe.backends.torch_backend import batch_plan, combine, rows_by_expert, token_plan  # noqa: F401
 from moerun.moe.backends.workspace import Workspace
@@ -31,7 +33,7 @@ from moerun.moe.plan import BatchedPlan, TokenPlan
 from moerun.moe.routing import SoftmaxTopK, TopKSoftmax, check_logits
 from moerun.quant.formats import QTensor
 
-STREAMS_PREFILL = True  # prefill visits experts one by one, so a stream can fetch them in groups
+STREAMS_PREFILL = True  # a step runs one native call per group of experts the cache holds
 
 
 def unsupported(experts: ExpertWeights) -> str | None:
@@ -167,28 +169,51 @@ def tokens_forward(
     experts: ExpertWeights,
     act: Activation,
     options: KernelOptions,
+    ws: Workspace | None = None,
 ) -> torch.Tensor:
-    """A small batch, x [T, H] with each token's k distinct experts ids [T, k] and weights [T, k]
-    (a server's decode step), in ONE native call: each of the step's distinct experts reads its
-    rows once for all its tokens; each token's experts are summed in ascending id, the plan order.
-    Resident experts only (a streamed step's experts may not all fit the cache at once). Not yet
-    what the layer calls for T > 1: a streamed layer would then compute other bits than a resident
-    one (the batched path's activation and sums are torch's), and streamed == resident is bitwise."""
+    """Many tokens, x [T, H] with each token's k distinct experts ids [T, k] and weights [T, k]
+    (a server's decode step, a prompt), in native calls: each of the step's distinct experts reads
+    its rows once for all its tokens (the prefill GEMM where it has enough), each token's experts
+    summed in ascending id, the plan order -> [T, H] fp32. Resident experts: one call. Streamed:
+    one call per group of experts the cache holds at once (ascending, fetched in turn), each adding
+    to the sums so far, which is the one call's sequence of additions: the same bits. Dense experts
+    and more than NATIVE_ROWS tokens: each expert's rows through torch's GEMM instead (`ws` holds
+    the buffers), resident and streamed alike."""
+    dense = not isinstance(experts.gate_up, QTensor) and not isinstance(experts.down, QTensor)
+    if dense and x.shape[0] > NATIVE_ROWS:
+        plan = batch_plan(ids, weights, experts.gate_up.shape[0])
+        ws = ws if ws is not None else Workspace()
+        return combine(expert_rows(x, plan, experts, act, ws, options), plan, ws)
     order = torch.argsort(ids, dim=1, stable=True)
-    ids, weights = torch.gather(ids, 1, order), torch.gather(weights.float(), 1, order)
-    distinct, rows = torch.unique(ids, return_inverse=True)  # ascending; rows [T, k] index them
+    ids, weights = torch.gather(ids, 1, order), torch.gather(weights.float(), 1, order).contiguous()
     table = _table(experts)
-    pointers, formats = table.rows(distinct, distinct)
-    return cpu.moe_decode_table(
-        x.float().contiguous(),
-        pointers,
-        formats,
-        table.intermediate,
-        rows.to(torch.int32).contiguous(),
-        weights.contiguous(),
-        act,
-        integer=options.int8_on_cpu(experts.dtype),
-    )
+    x = x.float().contiguous()
+    integer = options.int8_on_cpu(experts.dtype)
+    stream = experts.stream
+    groups = [torch.unique(ids)] if stream is None else [torch.tensor(g) for g in stream.groups()]
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
+    for i, group in enumerate(groups):  # ascending ids
+        if stream is None:
+            places = group
+        else:
+            stream.tensors(int(group[0]))  # fetches the group (the previous one released)
+            places = stream.slot_ids(group).long()
+        at = torch.searchsorted(group, ids).clamp(max=len(group) - 1)  # [T, k]: index in the group
+        slot_expert = torch.where(group[at] == ids, at, -1).to(torch.int32)
+        pointers, formats = table.rows(group, places)
+        cpu.moe_decode_table(
+            x,
+            pointers,
+            formats,
+            table.intermediate,
+            slot_expert,
+            weights,
+            act,
+            integer,
+            out=out,
+            accumulate=i > 0,
+        )
+    return out
 
 
 def expert_rows(

@@ -1,4 +1,6 @@
-"""moerun's native CPU kernel layer: quantised matrix products and the MoE decode step in C + OpenMP.
+"""moerun's native CPU kernel layer in C + OpenMP: quantised matrix products, the MoE step (one
+token or many) and one token's attention block (`AttentionDecode`) and MoE routing (`moe_route`)
+as single calls.
 
 Weights stay in their file format (`moerun.quant.formats`): rows of raw bytes uint8 [out, row_bytes]
 (ggml's block layouts), or dense f32/f16/bf16 [out, in]. Two modes:
@@ -13,7 +15,8 @@ The torch reference of every function here is `moerun.cpu.reference`.
 Prefill: on avx512, integer-mode matmul of many tokens (q4_k, q5_k from T = 16; q6_k from 64;
 q8_0 from 4; q4_0, mxfp4 from 8) runs a GEMM (native/gemm_*.c) that decodes each weight block once
 per 4 rows and token chunk; it computes every output with the row kernels' own integer sums and
-fp32 steps, so prefill equals decode (T = 1) bit for bit.
+fp32 steps, so prefill equals decode (T = 1) bit for bit. The MoE step takes it per expert, for the
+experts with that many tokens.
 
 Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
 exact mode for q2_k/q3_k/q5_k on every variant and for every block format on avx2; integer mode

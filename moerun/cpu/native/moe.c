@@ -1,8 +1,9 @@
-/* The MoE decode step as one call: gate_up of every expert of the step (each expert's rows read once
- * for all its tokens), the activation, down, and each token's ordered weighted sum, in one OpenMP
- * parallel region with barriers between the phases. Threads split the rows of all the step's experts
- * (static contiguous chunks of equal work: rows times the expert's tokens), then the slots, then
- * the output columns. */
+/* The MoE step as one call, for one token or many: gate_up of every expert of the step (each
+ * expert's rows read once for all its tokens, through the prefill GEMM where it has enough of them),
+ * the activation, down, and each token's ordered weighted sum, in one OpenMP parallel region with
+ * barriers between the phases. The step's slots are laid out by expert ("positions"); threads split
+ * the rows of all the step's experts (static contiguous chunks of equal work: rows times the
+ * expert's tokens), then the positions, then the output columns. */
 #include <omp.h>
 #include <stdlib.h>
 

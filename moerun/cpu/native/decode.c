@@ -36,15 +36,74 @@ typedef struct {
     float eps, clip, scale, qk_eps; /* eps: of `norm`; clip <= 0: none; scale: of the scores */
 } moerun_attention;
 
-static float dot16(const float *a, const float *b, int64_t n) {
-    float acc[16] = {0};
+/* 16 floats as one vector (GCC's vector extension: zmm on avx512, narrower pieces elsewhere); loads
+ * and stores through memcpy, so any alignment. */
+typedef float v16f __attribute__((vector_size(64)));
+static inline v16f ld16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void st16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+/* The 16 lanes summed pairwise: lane l + 8 into l, then + 4, + 2, + 1 (a fixed tree), in
+ * registers where the compiler has __builtin_shufflevector (GCC 12, clang), else through memory. */
+static inline float hsum16(v16f v) {
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+    v8f s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#else
+    float l[16];
+    memcpy(l, &v, sizeof l);
+    for (int w = 8; w >= 1; w >>= 1)
+        for (int i = 0; i < w; i++) l[i] += l[i + w];
+    return l[0];
+#endif
+}
+
+/* acc with a[l] * b[l] (b NULL: a[l]) added into lanes l < m (m < 16): the tail of a row; out of
+ * line, so the loops above keep their accumulator in a register. */
+static __attribute__((noinline)) v16f tail16(v16f acc, const float *a, const float *b, int64_t m) {
+    float lanes[16];
+    st16(lanes, acc);
+    for (int64_t l = 0; l < m; l++) lanes[l] += b ? a[l] * b[l] : a[l];
+    return ld16(lanes);
+}
+
+/* a . b over n: 16 lanes of products summed in order (a tail into lanes 0, 1, ..), then hsum16. */
+static inline float dot16(const float *a, const float *b, int64_t n) {
+    v16f acc = {0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
-    for (int l = 0; i < n; i++, l++) acc[l] += a[i] * b[i];
-    float s = 0.f;
-    for (int l = 0; l < 16; l++) s += acc[l];
-    return s;
+    for (; i + 16 <= n; i += 16) acc += ld16(a + i) * ld16(b + i);
+    return i < n ? hsum16(tail16(acc, a + i, b + i, n - i)) : hsum16(acc);
+}
+
+/* v[0 .. n) summed in 16 lanes in order (element j into lane j % 16), then hsum16. */
+static inline float sum16(const float *v, int64_t n) {
+    v16f acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc += ld16(v + i);
+    return i < n ? hsum16(tail16(acc, v + i, NULL, n - i)) : hsum16(acc);
+}
+
+/* e^x for x <= 0 (a softmax's shifted scores), within 2 ulp of expf, in branch-free operations the
+ * compiler vectorises: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, times
+ * 2^n through the exponent bits; below -87 (where e^x < 2^-125) it is 0. */
+static inline float exp_nonpositive(float x) {
+    const float big = 12582912.f; /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    x = x < -87.f ? -87.f : x;
+    float n = (x * 1.44269504f + big) - big;
+    float r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* ln2 in two parts */
+    float p = 1.f + r * (1.f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f + r * (8.3333338e-3f + r * 1.3888889e-3f)))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x <= -87.f ? 0.f : p * scale;
 }
 
 /* x * rsqrt(mean(x^2) + eps) * w, the mean summed in double in order. */
@@ -77,15 +136,19 @@ static void store(int dtype, void *base, int64_t i, const float *src, int64_t n)
         for (int64_t j = 0; j < n; j++) ((uint16_t *)base)[i + j] = f32_to_f16(src[j]);
 }
 
-static const float *load_row(int dtype, const void *base, int64_t i, int64_t n, float *tmp) {
-    if (dtype == CACHE_F32) return (const float *)base + i;
+static void copy_row(int dtype, const void *base, int64_t i, int64_t n, float *out) {
+    if (dtype == CACHE_F32) {
+        memcpy(out, (const float *)base + i, (size_t)n * sizeof(float));
+        return;
+    }
     const uint16_t *p = (const uint16_t *)base + i;
     if (dtype == CACHE_BF16)
-        for (int64_t j = 0; j < n; j++) tmp[j] = bf16_to_f32(p[j]);
+        for (int64_t j = 0; j < n; j++) out[j] = bf16_to_f32(p[j]);
     else
-        for (int64_t j = 0; j < n; j++) tmp[j] = f16_to_f32(p[j]);
-    return tmp;
+        for (int64_t j = 0; j < n; j++) out[j] = f16_to_f32(p[j]);
 }
+
+#define ATT_TILE 32 /* cached positions converted to fp32 at a time */
 
 /* An input vector in every form the linears reading it need: fp32, q8_0 and q8_K blocks. */
 typedef struct {
@@ -165,10 +228,10 @@ int moerun_attention_decode(const moerun_attention *a, float *x, void *cache_k, 
     float *qkv = malloc((size_t)((nh + 2 * nkv) * D) * sizeof(float));
     float *att = malloc((size_t)(nh * D) * sizeof(float)), *o = malloc((size_t)H * sizeof(float));
     float *scores = malloc((size_t)(nh * (S + 1)) * sizeof(float));
-    float *tmp = malloc((size_t)(nh * 2 * D) * sizeof(float));
+    float *tiles = malloc((size_t)(nkv * 2 * ATT_TILE * D) * sizeof(float));
     const moerun_linear *in[3] = {&a->q, &a->k, &a->v}, *out[1] = {&a->o};
     act_forms fx = {0}, fa = {0};
-    if (!h || !qkv || !att || !o || !scores || !tmp) err = -4;
+    if (!h || !qkv || !att || !o || !scores || !tiles) err = -4;
     err = err ? err : alloc_forms(&fx, h, H, in, 3, integer);
     err = err ? err : alloc_forms(&fa, att, nh * D, out, 1, integer);
     if (!err) {
@@ -208,31 +271,52 @@ int moerun_attention_decode(const moerun_attention *a, float *x, void *cache_k, 
                     store(a->cache_dtype, i < nh + nkv ? cache_k : cache_v,
                           ((i - nh) % nkv * capacity + pos) * D, hv, D);
             }
-            /* the one query of each head against the cached keys [first, pos] (implicit barrier above) */
+            /* each kv head's group of query heads against the cached keys [first, pos], in tiles of
+             * ATT_TILE positions converted to fp32 once for the group (implicit barrier above) */
 #pragma omp for schedule(static)
-            for (int64_t hq = 0; hq < nh; hq++) {
-                const int64_t g = hq / groups;
-                float *sc = scores + hq * (S + 1), *row = tmp + hq * 2 * D, *acc = att + hq * D;
-                float m = a->sinks ? a->sinks[hq] : -FLT_MAX;
-                for (int64_t j = 0; j < S; j++) {
-                    const float *kr = load_row(a->cache_dtype, cache_k, (g * capacity + first + j) * D, D, row);
-                    sc[j] = dot16(q + hq * D, kr, D) * a->scale;
-                    m = sc[j] > m ? sc[j] : m;
+            for (int64_t g = 0; g < nkv; g++) {
+                float *kt = tiles + g * 2 * ATT_TILE * D, *vt = kt + ATT_TILE * D;
+                float *sg = scores + g * groups * (S + 1); /* [groups][S + 1] */
+                for (int64_t j0 = 0; j0 < S; j0 += ATT_TILE) {
+                    const int64_t nt = S - j0 < ATT_TILE ? S - j0 : ATT_TILE;
+                    for (int64_t i = 0; i < nt; i++)
+                        copy_row(a->cache_dtype, cache_k, (g * capacity + first + j0 + i) * D, D, kt + i * D);
+                    for (int64_t h = 0; h < groups; h++)
+                        for (int64_t i = 0; i < nt; i++)
+                            sg[h * (S + 1) + j0 + i] = dot16(q + (g * groups + h) * D, kt + i * D, D) * a->scale;
                 }
-                float denom = 0.f;
-                for (int64_t j = 0; j < S; j++) {
-                    sc[j] = expf(sc[j] - m);
-                    denom += sc[j];
+                for (int64_t h = 0; h < groups; h++) {
+                    const int64_t hq = g * groups + h;
+                    float *sc = sg + h * (S + 1), m = a->sinks ? a->sinks[hq] : -FLT_MAX, denom = 0.f;
+                    for (int64_t j = 0; j < S; j++) m = sc[j] > m ? sc[j] : m; /* exact in any order */
+                    for (int64_t j = 0; j < S; j++) sc[j] = exp_nonpositive(sc[j] - m);
+                    denom = sum16(sc, S);
+                    if (a->sinks) denom += exp_nonpositive(a->sinks[hq] - m);
+                    sc[S] = 1.f / denom;
+                    for (int64_t d = 0; d < D; d++) att[hq * D + d] = 0.f;
                 }
-                if (a->sinks) denom += expf(a->sinks[hq] - m);
-                for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
-                for (int64_t j = 0; j < S; j++) {
-                    const float *vr = load_row(a->cache_dtype, cache_v, (g * capacity + first + j) * D, D, row + D);
-                    const float p = sc[j];
-                    for (int64_t d = 0; d < D; d++) acc[d] += p * vr[d];
+                for (int64_t j0 = 0; j0 < S; j0 += ATT_TILE) {
+                    const int64_t nt = S - j0 < ATT_TILE ? S - j0 : ATT_TILE;
+                    for (int64_t i = 0; i < nt; i++)
+                        copy_row(a->cache_dtype, cache_v, (g * capacity + first + j0 + i) * D, D, vt + i * D);
+                    for (int64_t h = 0; h < groups; h++) {
+                        float *acc = att + (g * groups + h) * D;
+                        const float *p = sg + h * (S + 1) + j0;
+                        int64_t d0 = 0;
+                        for (; d0 + 16 <= D; d0 += 16) { /* 16 outputs in a register across the tile */
+                            v16f r = ld16(acc + d0);
+                            for (int64_t i = 0; i < nt; i++) r += p[i] * ld16(vt + i * D + d0);
+                            st16(acc + d0, r);
+                        }
+                        for (int64_t i = 0; i < nt; i++)
+                            for (int64_t d = d0; d < D; d++) acc[d] += p[i] * vt[i * D + d];
+                    }
                 }
-                const float inv = 1.f / denom;
-                for (int64_t d = 0; d < D; d++) acc[d] *= inv;
+                for (int64_t h = 0; h < groups; h++) {
+                    float *acc = att + (g * groups + h) * D;
+                    const float inv = sg[h * (S + 1) + S];
+                    for (int64_t d = 0; d < D; d++) acc[d] *= inv;
+                }
             }
 #pragma omp single
             forms_quantize(&fa, nh * D);
@@ -241,7 +325,7 @@ int moerun_attention_decode(const moerun_attention *a, float *x, void *cache_k, 
             for (int64_t r = lo; r < hi; r++) x[r] += o[r];
         }
     }
-    free(h), free(qkv), free(att), free(o), free(scores), free(tmp);
+    free(h), free(qkv), free(att), free(o), free(scores), free(tiles);
     free(fx.q0), free(fx.qk), free(fa.q0), free(fa.qk);
     return err;
 }

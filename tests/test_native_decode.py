@@ -26,6 +26,7 @@ VARIANTS = {
     "olmoe full norm, clip": dict(qk_norm="full", clip_qkv=0.5),
     "qwen2 biases": dict(bias=True),
     "gpt-oss sinks, window": dict(sinks=True, bias=True, window=3),
+    "window of 40": dict(sinks=True, window=40),
     "multi-head": dict(kv_heads=4),
 }
 
@@ -60,11 +61,12 @@ def _reference_step(attn, norm, eps, x, cache_k, cache_v, pos, rotary):
     return x + attn(rms_norm(x.view(1, 1, -1), norm, eps), cos_sin, cache_k, cache_v, pos).view(-1)
 
 
+@pytest.mark.parametrize("cap", [9, 75])  # 75: the cache read in tiles of 32 positions, and a part
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_attention_step_matches_the_torch_attention(variant):
+def test_attention_step_matches_the_torch_attention(variant, cap):
     spec, t, attn, rotary = _attention(VARIANTS[variant])
     norm = 1 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(9))
-    eps, cap = 1e-6, 9
+    eps = 1e-6
     shape = (1, spec.kv_heads, cap, spec.head_dim)
     ref_k, ref_v = torch.zeros(shape), torch.zeros(shape)
     ours_k, ours_v = torch.zeros(shape), torch.zeros(shape)

@@ -74,6 +74,8 @@ class Attention:
         cache_v[:, :, start:end] = v.transpose(1, 2)
         first = 0 if self.window is None else max(0, start - self.window + 1)
         keys, values = cache_k[:, :, first:end], cache_v[:, :, first:end]  # [B, nkv, S, D]
+        if keys.dtype != q.dtype:  # fp32 activations over a cache in the compute dtype
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = self._attend(q, keys, values, start, first)  # [B, nh, T, D]
         out = out.transpose(1, 2).reshape(B, T, nh * D)
         return self._project(out, "o")

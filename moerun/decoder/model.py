@@ -128,6 +128,11 @@ class MoEModel:
             mlp.decodes_natively for mlp, moe in zip(self.mlps, config.moe_layers, strict=True) if moe
         )
         self._native_steps: list[cpu.AttentionDecode] | None = None
+        # prefill's activations in fp32 where the native kernels compute the quantised projections
+        # (dense bf16 weights with many rows go through torch's bf16 GEMM, which wants bf16 inputs)
+        self._fp32_activations = native and any(
+            isinstance(w, QTensor) for a in self.attentions for w in a.t.values()
+        )
         moe_layers = [i for i, moe in enumerate(config.moe_layers) if moe]
         self._next_moe = {a: b for a, b in zip(moe_layers, moe_layers[1:], strict=False)}
         self._moes = [self.mlps[i] for i in moe_layers]
@@ -150,8 +155,11 @@ class MoEModel:
             return self._decode_native(ids, cache)
         eps = self.config.norm_eps
         positions = torch.arange(start, start + T, device=self.device)
-        cos_sin = self.rotary.cos_sin(positions, self.dtype)
-        x = self._embed(ids.to(self.device))  # [B, T, H]
+        # quantised linears on the native kernels compute in fp32: the activations stay fp32 between
+        # them (as in a decode step), no round trips through the compute dtype; the KV cache keeps it
+        act_dtype = torch.float32 if self._fp32_activations else self.dtype
+        cos_sin = self.rotary.cos_sin(positions, act_dtype)
+        x = self._embed(ids.to(self.device)).to(act_dtype)  # [B, T, H]
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
         # each MoE layer's router-logit check, read back once for the whole pass rather than once a
@@ -162,7 +170,7 @@ class MoEModel:
         cache.length = start + T
         if self.expert_cache is not None:
             self.expert_cache.end_step()
-        return rms_norm(x, self.norm, eps)
+        return rms_norm(x, self.norm, eps).to(self.dtype)
 
     def _layers(
         self, x: torch.Tensor, cos_sin, cache: KVCache, start: int, checks: list[RouterCheck]

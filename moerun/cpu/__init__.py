@@ -10,7 +10,10 @@ Weights stay in their file format (`moerun.quant.formats`): rows of raw bytes ui
 Results are bitwise reproducible: each output element is computed by one thread in an order that
 depends on neither the thread count nor buffer addresses. The layer builds itself on first use
 (`moerun.cpu.build`); where it cannot, `available()` is False and `unavailable_reason()` says why.
-The torch reference of every function here is `moerun.cpu.reference`.
+The torch reference of the matmul and the MoE step is `moerun.cpu.reference`; the decode calls
+are tested against moerun's own torch modules, which they compute in one call: `AttentionDecode`
+against moerun.decoder.attention (with the model's RMSNorm), `moe_route` against moerun.moe.routing,
+`dequantize_rows` against moerun.quant.dequant (bit for bit).
 
 Prefill: on avx512, integer-mode matmul of many tokens (q4_k, q5_k from T = 16; q6_k from 64;
 q8_0 from 4; q4_0, mxfp4 from 8) runs a GEMM (native/gemm_*.c) that decodes each weight block once

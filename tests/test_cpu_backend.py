@@ -164,26 +164,29 @@ def test_without_the_native_kernels_auto_runs_the_torch_backend(q4_k_gguf):
     assert rel_err(native, fallback) <= 1e-4
 
 
-@pytest.mark.parametrize("tokens", [2, 5, 16])
-@pytest.mark.parametrize(("gate_up", "down"), MIXES[:3])
-def test_a_small_batch_decodes_in_one_call_like_each_token_alone(gate_up, down, tokens):
-    """A server's decode step (2-16 tokens) in one native call (cpu_backend.tokens_forward), each
+@pytest.mark.parametrize("tokens", [2, 5, 16, 40])
+@pytest.mark.parametrize(("gate_up", "down"), MIXES)
+def test_a_batch_gives_each_token_the_bits_it_gets_alone(gate_up, down, tokens):
+    """A server's decode step (2-16 tokens) or a prompt in one native call (tokens_forward), each
     expert's rows read once for all its tokens: the torch backend's outputs to fp32 rounding, and
-    each token's own one-token step to the last bits (the kernels' multi-token loops add in another
-    order than the one-token ones: a token's bits depend on its batch, not batch-invariant yet)."""
+    through the layer (native routing, each token alone) each token's own one-token step bit for bit:
+    what a token computes does not depend on its batch."""
     from moerun.moe.backends import cpu_backend
 
     x = torch.randn(tokens, QH, generator=torch.Generator().manual_seed(7))
     for options in (EXACT, INT8):
         layer = _layer(gate_up, down, "cpu", options)
-        logits = torch.nn.functional.linear(x, layer.tensors["router.weight"])
-        weights, ids = route(SPEC.routing, logits)
+        _, ids, weights = cpu_backend.route_tokens(x, SPEC.routing, layer.tensors, "moe")
+        want_weights, want_ids = route(
+            SPEC.routing, torch.nn.functional.linear(x, layer.tensors["router.weight"])
+        )
+        assert torch.equal(ids, want_ids) and rel_err(weights, want_weights) <= 1e-5  # torch's routing
 
         args = (x, ids, weights, layer.experts, SPEC.activation, options)
         batch = cpu_backend.tokens_forward(*args)
         assert torch.equal(batch, cpu_backend.tokens_forward(*args))  # run to run
         alone = torch.cat([layer(x[t : t + 1]) for t in range(tokens)])
-        assert rel_err(batch, alone) <= 1e-6
+        assert torch.equal(batch, alone) and torch.equal(layer(x), alone)
         if options is EXACT:
             assert rel_err(batch, _layer(gate_up, down, "torch")(x)) <= 1e-5
 

@@ -206,3 +206,15 @@ def test_int8_decode_stays_as_close_to_the_reference_as_int8_prefill(quantised_c
     decoded, prefilled = _decoded(model, ids, prompt=1), model.logits(ids)[0]
     assert rel_err(decoded, ref) <= 2 * rel_err(prefilled, ref) + 1e-3
     assert rel_err(decoded, ref) > 1e-5  # int8 rounding is there: not the exact path
+
+
+def test_route_of_a_batch_is_each_tokens_route_alone():
+    g = torch.Generator().manual_seed(3)
+    E, T = 16, 9
+    w, b = torch.randn(E, H, generator=g), torch.randn(E, generator=g)
+    x = torch.randn(T, H, generator=g)
+    _, logits, ids, weights = cpu.moe_route(x, None, 0.0, w, b, "softmax_topk", 4, True)
+    for t in range(T):
+        _, lt, it, wt = cpu.moe_route(x[t].contiguous(), None, 0.0, w, b, "softmax_topk", 4, True)
+        assert torch.equal(logits[t], lt) and torch.equal(ids[t], it) and torch.equal(weights[t], wt)
+    assert rel_err(logits, torch.nn.functional.linear(x, w, b)) <= 1e-5

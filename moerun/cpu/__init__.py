@@ -425,32 +425,37 @@ class RouterLogitsNotFinite(ValueError):
 
 def moe_route(
     x: torch.Tensor,
-    norm: torch.Tensor,
+    norm: torch.Tensor | None,
     eps: float,
     router_weight: torch.Tensor,
     router_bias: torch.Tensor | None,
     kind: str,
     k: int = 0,
     renormalize: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One token's MoE routing in one native call: x float32 [H] -> (h = rms_norm(x, norm) [H],
-    router logits [E], ids int64 [k] ascending, their weights float32 [k]). kind: "softmax_topk"
-    (softmax over the experts, the k most probable, renormalised if asked), "topk_softmax" (the k
-    largest logits, softmax over them) or "logits_only" (ids and weights None: the caller routes).
-    norm, router_weight [E, H] and router_bias [E]: contiguous float32. RouterLogitsNotFinite (with
-    the logits as its argument) when a logit is NaN or inf."""
-    H, E = x.shape[-1], router_weight.shape[0]
-    for t in (x, norm, router_weight, router_bias):
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """MoE routing in one native call, x float32 [H] (one token) or [T, H] -> (h = rms_norm(x, norm)
+    or None without a norm, router logits [(T,) E] of h (or of x), ids int64 [(T,) k] ascending,
+    their weights float32 [(T,) k]). kind: "softmax_topk" (softmax over the experts, the k most
+    probable, renormalised if asked), "topk_softmax" (the k largest logits, softmax over them) or
+    "logits_only" (ids and weights None: the caller routes). Each token's values are computed alone,
+    so they are the same bits in any batch. norm, router_weight [E, H] and router_bias [E]:
+    contiguous float32. RouterLogitsNotFinite (with the logits [T, E] as its argument) when a logit is
+    NaN or inf."""
+    x2 = x.reshape(-1, x.shape[-1])
+    T, H, E = x2.shape[0], x2.shape[1], router_weight.shape[0]
+    for t in (x2, norm, router_weight, router_bias):
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
             raise TypeError("moe_route: x, norm and the router's tensors must be contiguous float32.")
-    h, logits = torch.empty(H), torch.empty(E)
+    h = torch.empty(T, H) if norm is not None else None
+    logits = torch.empty(T, E)
     routes = kind != "logits_only"
-    ids = torch.empty(k, dtype=torch.int64) if routes else None
-    weights = torch.empty(k) if routes else None
+    ids = torch.empty(T, k, dtype=torch.int64) if routes else None
+    weights = torch.empty(T, k) if routes else None
     rc = library.native().moe_route(
-        x.data_ptr(),
+        x2.data_ptr(),
+        T,
         H,
-        norm.data_ptr(),
+        None if norm is None else norm.data_ptr(),
         eps,
         router_weight.data_ptr(),
         None if router_bias is None else router_bias.data_ptr(),
@@ -458,7 +463,7 @@ def moe_route(
         library.ROUTE_IDS[kind],
         k,
         int(renormalize),
-        h.data_ptr(),
+        None if h is None else h.data_ptr(),
         logits.data_ptr(),
         ids.data_ptr() if routes else None,
         weights.data_ptr() if routes else None,
@@ -467,6 +472,9 @@ def moe_route(
     if rc == 1:
         raise RouterLogitsNotFinite(logits)
     library.check(rc, "moerun_moe_route")
+    if x.ndim == 1:
+        h, logits = (None if h is None else h[0]), logits[0]
+        ids, weights = (None, None) if not routes else (ids[0], weights[0])
     return h, logits, ids, weights
 
 

@@ -210,12 +210,12 @@ def _bind(lib: ctypes.CDLL, variant: str, features: frozenset[str]) -> Native:
         ),
         # fmt, w, row_bytes, n, rows, count, out
         dequantize_rows=_typed(lib, "moerun_dequantize_rows", _i32, _i32, _ptr, _i64, _i64, _ptr, _i64, _ptr),
-        # x, H, norm, eps, router_w, router_b, E, kind, k, renormalize, h, logits, ids, weights, nthreads
+        # x, T, H, norm, eps, router_w, router_b, E, kind, k, renormalize, h, logits, ids, weights, nthreads
         moe_route=_typed(
             lib,
             "moerun_moe_route",
             _i32,
-            *(_ptr, _i64, _ptr, _f32, _ptr, _ptr, _i64, _i32, _i64, _i32, _ptr, _ptr, _ptr, _ptr, _i32),
+            *(_ptr, _i64, _i64, _ptr, _f32, _ptr, _ptr, _i64, _i32, _i64, _i32, _ptr, _ptr, _ptr, _ptr, _i32),
         ),
         gemm_formats=frozenset(name for name, i in FORMAT_IDS.items() if gemm_bits >> i & 1),
     )

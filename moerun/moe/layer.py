@@ -217,16 +217,20 @@ class MoELayer:
         trace = layer_trace(self.name)
         route_start = time.perf_counter()
         with trace.stage("route", x.device):
-            logits = router_logits(x, t["router.weight"], t.get("router.bias"))  # [T, E] fp32
-            if router_checks is not None:  # the caller reads every layer's check back at once
-                router_checks.append(deferred_check(logits, self.name))
+            if hasattr(backend, "route_tokens"):  # native: each token routed alone, checked at once
+                logits, ids, weights = backend.route_tokens(x, spec.routing, t, self.name)  # [T, E], [T, k]
             else:
-                try:
-                    check_logits(logits, self.name)
-                except RouterError:
-                    trace.router_figures(logits, None, None, spec.num_experts)
-                    raise
-            weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
+                logits, ids = router_logits(x, t["router.weight"], t.get("router.bias")), None  # [T, E] fp32
+                if router_checks is not None:  # the caller reads every layer's check back at once
+                    router_checks.append(deferred_check(logits, self.name))
+                else:
+                    try:
+                        check_logits(logits, self.name)
+                    except RouterError:
+                        trace.router_figures(logits, None, None, spec.num_experts)
+                        raise
+            if ids is None:
+                weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
             trace.router_figures(logits, ids, weights, spec.num_experts)
         self._route_ms = 1e3 * (time.perf_counter() - route_start)
         if self.experts.stream is not None:  # the host stage: the step's experts into cache slots

@@ -345,45 +345,23 @@ static void top_k(const float *v, int64_t n, int64_t k, int64_t *idx) {
     }
 }
 
-/* h = rms_norm(x, norm) fp32 [H]; logits [E] = router_w [E, H] . h (+ router_b); then, unless kind is
- * ROUTE_LOGITS_ONLY, ids int64 [k] ascending and their weights fp32 [k]. Returns 1 (and routes
- * nothing) when a logit is not finite. */
-int moerun_moe_route(const float *x, int64_t H, const float *norm, float eps, const float *router_w,
-                     const float *router_b, int64_t E, int kind, int64_t k, int renormalize, float *h,
-                     float *logits, int64_t *ids, float *weights, int nthreads) {
-    if (H <= 0 || E <= 0 || kind < ROUTE_LOGITS_ONLY || kind > ROUTE_TOPK_SOFTMAX) return -1;
-    if (kind != ROUTE_LOGITS_ONLY && (k <= 0 || k > E)) return -1;
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp single
-        rms_norm(x, norm, H, eps, h);
-#pragma omp for schedule(static)
-        for (int64_t e = 0; e < E; e++)
-            logits[e] = dot16(router_w + e * H, h, H) + (router_b ? router_b[e] : 0.f);
-    }
-    for (int64_t e = 0; e < E; e++)
-        if (!isfinite(logits[e])) return 1;
-    if (kind == ROUTE_LOGITS_ONLY) return 0;
-    int64_t *top = malloc((size_t)k * sizeof *top);
-    float *p = malloc((size_t)E * sizeof *p);
-    if (!top || !p) {
-        free(top), free(p);
-        return -4;
-    }
-    float m = logits[0];
-    for (int64_t e = 1; e < E; e++) m = logits[e] > m ? logits[e] : m;
+/* One token's routing from its logits l [E] into ids [k] (ascending) and weights [k]. */
+static void route_one(const float *l, int64_t E, int kind, int64_t k, int renormalize, float *p, int64_t *top,
+                      int64_t *ids, float *weights) {
+    float m = l[0];
+    for (int64_t e = 1; e < E; e++) m = l[e] > m ? l[e] : m;
     if (kind == ROUTE_SOFTMAX_TOPK) { /* softmax over all experts, then the k most probable */
         float sum = 0.f;
-        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(logits[e] - m);
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(l[e] - m);
         for (int64_t e = 0; e < E; e++) p[e] /= sum;
         top_k(p, E, k, top);
         float total = 0.f;
         for (int64_t j = 0; j < k; j++) total += p[top[j]];
         for (int64_t j = 0; j < k; j++) weights[j] = renormalize ? p[top[j]] / total : p[top[j]];
     } else { /* the k largest logits, then a softmax over those k */
-        top_k(logits, E, k, top);
-        float mk = logits[top[0]], sum = 0.f;
-        for (int64_t j = 0; j < k; j++) sum += weights[j] = expf(logits[top[j]] - mk);
+        top_k(l, E, k, top);
+        float mk = l[top[0]], sum = 0.f;
+        for (int64_t j = 0; j < k; j++) sum += weights[j] = expf(l[top[j]] - mk);
         for (int64_t j = 0; j < k; j++) weights[j] /= sum;
     }
     for (int64_t j = 0; j < k; j++) ids[j] = top[j];
@@ -394,6 +372,41 @@ int moerun_moe_route(const float *x, int64_t H, const float *norm, float eps, co
             ids[j] = ids[j - 1], weights[j] = weights[j - 1];
             ids[j - 1] = ti, weights[j - 1] = tw;
         }
+}
+
+/* T tokens x [T, H]: h = rms_norm(x, norm) [T, H] (norm NULL: the router reads x, h is not written);
+ * logits [T, E] = router_w [E, H] . h (+ router_b); then, unless kind is ROUTE_LOGITS_ONLY, each
+ * token's ids int64 [T, k] ascending and weights fp32 [T, k]. Every value is one token's alone (the
+ * same bits in any batch). Returns 1 (and routes nothing) when a logit is not finite. */
+int moerun_moe_route(const float *x, int64_t T, int64_t H, const float *norm, float eps, const float *router_w,
+                     const float *router_b, int64_t E, int kind, int64_t k, int renormalize, float *h,
+                     float *logits, int64_t *ids, float *weights, int nthreads) {
+    if (T <= 0 || H <= 0 || E <= 0 || kind < ROUTE_LOGITS_ONLY || kind > ROUTE_TOPK_SOFTMAX) return -1;
+    if (kind != ROUTE_LOGITS_ONLY && (k <= 0 || k > E)) return -1;
+    const float *in = norm ? h : x;
+#pragma omp parallel num_threads(nthreads)
+    {
+        if (norm) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, norm, H, eps, h + t * H);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * E; i++) {
+            const int64_t t = i / E, e = i % E;
+            logits[i] = dot16(router_w + e * H, in + t * H, H) + (router_b ? router_b[e] : 0.f);
+        }
+    }
+    for (int64_t i = 0; i < T * E; i++)
+        if (!isfinite(logits[i])) return 1;
+    if (kind == ROUTE_LOGITS_ONLY) return 0;
+    int64_t *top = malloc((size_t)k * sizeof *top);
+    float *p = malloc((size_t)E * sizeof *p);
+    if (!top || !p) {
+        free(top), free(p);
+        return -4;
+    }
+    for (int64_t t = 0; t < T; t++)
+        route_one(logits + t * E, E, kind, k, renormalize, p, top, ids + t * k, weights + t * k);
     free(top), free(p);
     return 0;
 }

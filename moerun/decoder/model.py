@@ -74,8 +74,9 @@ class MoEModel:
         self.prefill_chunk = prefill_chunk
         self.generator = Generator(self)
         native = self._native_linears = backend == "cpu"
+        self._int8 = options.int8_on_cpu(dtype)  # the native kernels' activations (int8 or fp32)
         self.project: Linear = (
-            functools.partial(linear, native=True, integer=options.int8_on_cpu(dtype)) if native else linear
+            functools.partial(linear, native=True, integer=self._int8) if native else linear
         )
 
         def dense(name: str) -> torch.Tensor | QTensor:
@@ -182,11 +183,7 @@ class MoEModel:
             if not self.config.moe_layers[i]:
                 x = x + mlp(h)
                 continue
-            prefetch = self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching
-            after_fetch = None
-            if prefetch and i in self._next_moe:
-                after_fetch = functools.partial(self._prefetch, self._next_moe[i], x)
-            x = x + mlp(h, after_fetch=after_fetch, router_checks=checks)
+            x = x + mlp(h, after_fetch=self._after_fetch(i, x), router_checks=checks)
         return x
 
     def _decode_native(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -200,25 +197,28 @@ class MoEModel:
                 for attn, norm in zip(self.attentions, self.attn_norms, strict=True)
             ]
         eps, pos = self.config.norm_eps, cache.length
-        integer = self.project.keywords["integer"]
         cos, sin = (c[0].contiguous() for c in self.rotary.cos_sin(torch.tensor([pos]), torch.float32))
         x = self._embed(ids).reshape(-1).float().contiguous()  # [H] fp32, updated in place
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
         for i, (step, mlp) in enumerate(zip(self._native_steps, self.mlps, strict=True)):
-            step(x, cache.keys[i], cache.values[i], pos, cos, sin, integer)
+            step(x, cache.keys[i], cache.values[i], pos, cos, sin, self._int8)
             if not self.config.moe_layers[i]:
                 x += mlp(rms_norm(x, self._norms32[i], eps))
                 continue
-            after_fetch = None
-            prefetch = self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching
-            if prefetch and i in self._next_moe:
-                after_fetch = functools.partial(self._prefetch, self._next_moe[i], x)
-            mlp.decode_token(x, self._norms32[i], eps, after_fetch)
+            mlp.decode_token(x, self._norms32[i], eps, self._after_fetch(i, x))
         cache.length = pos + 1
         if self.expert_cache is not None:
             self.expert_cache.end_step()
         return rms_norm(x, self.norm, eps).to(self.dtype).view(1, 1, -1)
+
+    def _after_fetch(self, i: int, x: torch.Tensor) -> Callable[[], None] | None:
+        """What MoE layer i runs once its experts are fetched: with prefetch on, start loading the
+        next MoE layer's predicted experts for hidden states x; else None."""
+        prefetch = self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching
+        if prefetch and i in self._next_moe:
+            return functools.partial(self._prefetch, self._next_moe[i], x)
+        return None
 
     def _prefetch(self, layer: int, x: torch.Tensor) -> None:
         """Start loading the `prefetch_k` experts MoE layer `layer`'s router ranks highest for the

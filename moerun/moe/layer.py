@@ -197,12 +197,17 @@ class MoELayer:
         before they compute: the model starts its prefetch for the next layer there.
         `router_checks`: the router-logit check is appended there, for the caller to read back with
         other layers' at once (a host sync per layer would stall a GPU); None: checked here."""
+        return self._streamed_step(self._forward, x, after_fetch, router_checks)
+
+    def _streamed_step(self, step: Callable, x: torch.Tensor, after_fetch: Callable[[], None] | None, *args):
+        """step(x, after_fetch, *args); streaming: the step's experts released after it and its
+        route and compute times (fetches left out) recorded in the cache's stats."""
         stream = self.experts.stream
         if stream is None:
-            return self._forward(x, None, router_checks)
+            return step(x, None, *args)
         start, fetched = time.perf_counter(), stream.fetch_s
         try:
-            return self._forward(x, after_fetch, router_checks)
+            return step(x, after_fetch, *args)
         finally:
             stream.end()
             total_ms = 1e3 * (time.perf_counter() - start)
@@ -276,19 +281,10 @@ class MoELayer:
         x += this block(rms_norm(x, norm)), with norm float32 [H] the model's norm before it. Its
         norm, router and routing are one native call, the experts a second (streamed experts are
         fetched between the two), so a streamed layer computes the resident one's bits."""
-        stream = self.experts.stream
-        if stream is None:
-            return self._decode_token(x, norm, eps, None)
-        start, fetched = time.perf_counter(), stream.fetch_s
-        try:
-            self._decode_token(x, norm, eps, after_fetch)
-        finally:
-            stream.end()
-            total_ms = 1e3 * (time.perf_counter() - start)
-            stream.cache.record(self._route_ms, total_ms - self._route_ms - 1e3 * (stream.fetch_s - fetched))
+        self._streamed_step(self._decode_token, x, after_fetch, norm, eps)
 
     def _decode_token(
-        self, x: torch.Tensor, norm: torch.Tensor, eps: float, after_fetch: Callable[[], None] | None
+        self, x: torch.Tensor, after_fetch: Callable[[], None] | None, norm: torch.Tensor, eps: float
     ) -> None:
         spec, t, backend = self.spec, self.tensors, self.backend
         trace = layer_trace(self.name)

@@ -126,12 +126,22 @@ def _native_rule(routing) -> tuple[str, int, bool]:
 
 
 def route_token(
-    x: torch.Tensor, norm: torch.Tensor, eps: float, routing, t: Mapping[str, torch.Tensor], layer_name: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One token x float32 [H] -> (h = rms_norm(x, norm), router logits [E], ids [k] ascending and
-    weights [k], or None, None for a rule the native call does not have) in one native call;
-    RouterError naming the layer when a logit is NaN or inf."""
-    return _route(x, norm, eps, routing, t, layer_name)
+    x: torch.Tensor,
+    norm: torch.Tensor | None,
+    eps: float,
+    routing,
+    t: Mapping[str, torch.Tensor],
+    layer_name: str,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One token x float32 [H] (or tokens [T, H]) -> (h = rms_norm(x, norm), or None without a norm;
+    router logits [E]; ids [k] ascending and weights [k], or None, None for a rule the native call
+    does not have) in one native call; RouterError naming the layer when a logit is NaN or inf."""
+    kind, k, renormalize = _native_rule(routing)
+    try:
+        return cpu.moe_route(x, norm, eps, t["router.weight"], t.get("router.bias"), kind, k, renormalize)
+    except cpu.RouterLogitsNotFinite as exc:
+        check_logits(exc.args[0].reshape(-1, exc.args[0].shape[-1]), layer_name)  # raises, naming the layer
+        raise
 
 
 def route_tokens(
@@ -140,17 +150,8 @@ def route_tokens(
     """Tokens x [T, H] (already normed) -> (router logits [T, E], ids [T, k] ascending, weights
     [T, k]; or None, None for a rule the native call does not have), each token's alone: a token is
     routed to the same bits in any batch."""
-    _, logits, ids, weights = _route(x.float().contiguous(), None, 0.0, routing, t, layer_name)
+    _, logits, ids, weights = route_token(x.float().contiguous(), None, 0.0, routing, t, layer_name)
     return logits, ids, weights
-
-
-def _route(x, norm, eps, routing, t, layer_name):
-    kind, k, renormalize = _native_rule(routing)
-    try:
-        return cpu.moe_route(x, norm, eps, t["router.weight"], t.get("router.bias"), kind, k, renormalize)
-    except cpu.RouterLogitsNotFinite as exc:
-        check_logits(exc.args[0].reshape(-1, exc.args[0].shape[-1]), layer_name)  # raises, naming the layer
-        raise
 
 
 def token_forward(

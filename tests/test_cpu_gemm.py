@@ -76,15 +76,18 @@ def test_gemm_bitwise_over_threads_and_alignment(fmt_name):
 @pytest.mark.parametrize(
     ("fmt_name", "T", "n"),
     [("q8_0", T, 224) for T in (64, 65, 66)]
+    + [("q6_k", T, 512) for T in (2, 3, 5, 6)]
     + [
         ("q8_0", 300, 2048),
         ("q4_k", 300, 2048),
+        ("q6_k", 300, 2048),
     ],
 )
 def test_gemm_every_token_remainder_and_a_long_prompt(fmt_name, T, n):
     # q8_0 takes the GEMM from 4 tokens: 64..67 tokens cover each remainder of the 4-token
-    # micro-kernel; 300 tokens of 2048 inputs pass the activation chunk (~512 KiB: q8_0 84 tokens,
-    # q4_k 204), after which the rows are decoded again
+    # micro-kernel, as q6_k's 2..6 (its GEMM from 2 tokens); 300 tokens of 2048 inputs pass the
+    # activation chunk (~512 KiB: q8_0 84 tokens, q4_k 224, q6_k 200), after which the rows are
+    # decoded again
     if fmt_name not in GEMM_FORMATS:
         pytest.skip(f"no {fmt_name} GEMM in the {cpu.isa()} kernels")
     w, x = make_weight(fmt_name, out=10, n=n), make_x(T, n)

@@ -60,47 +60,30 @@ static inline __attribute__((always_inline)) void q45_k_body(ROWS_ARGS, int five
     }
 }
 
-/* Q6_K: per half of 128, ql's 64 bytes give the low 4 bits of elements 0-63 (low nibbles) and
- * 64-127 (high), qh's 32 bytes their top 2 bits; q in [0, 63] and the offset 32 via bsums. */
+/* Q6_K (the contract is avx512.h's): per token, one vpdpbusd per natural chunk c gives lanes
+ * 4l + k of sub-block 4c + l, four elements each; a 4 x 4 transpose-add within the 128-bit lanes sums
+ * each sub-block into lane 4l + c. */
 static inline __attribute__((always_inline)) void q6_k_body(ROWS_ARGS) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    const __m512i zero = _mm512_setzero_si512();
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * rb;
         __m512 acc[MAX_T];
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 210;
-            const float d = f16_at(blk + 208);
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            const __m512i scv = _mm512_castsi256_si512(sc16);
-            __m512i q[4], s16[4];
-            for (int h = 0; h < 2; h++) {
-                __m512i L = _mm512_loadu_si512((const void *)(blk + 64 * h));
-                __m256i Q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                __m512i Q2 = _mm512_inserti64x4(_mm512_castsi256_si512(Q), _mm256_srli_epi16(Q, 2), 1);
-                q[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4),
-                                           _mm512_slli_epi16(_mm512_and_si512(Q2, m2), 4));
-                q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Q2, 4), m2), 4));
-            }
-            for (int c = 0; c < 4; c++) {
-                /* 16-bit lane i of chunk c holds elements 64c + 2i, 2i + 1: group 4c + i / 8 */
-                __m512i idx = _mm512_srli_epi16(
-                    _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
-                                     12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                    3);
-                s16[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16(4 * c)), scv);
-            }
+            __m512i q[4];
+            q6k_weights(blk, q);
+            const __m512 dsc = q6k_scales(blk);
             for (int t = 0; t < T; t++) {
                 const q8k_t *y = (const q8k_t *)xs[t] + b;
-                __m512i s = _mm512_setzero_si512();
-                for (int c = 0; c < 4; c++) {
-                    __m512i xv = _mm512_loadu_si512((const void *)(y->qs + 64 * c));
-                    s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(q[c], xv), s16[c]);
-                }
-                __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y->bsums));
-                s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(corr, 5)));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(y->d * d), acc[t]);
+                __m512i p[4];
+                for (int c = 0; c < 4; c++)
+                    p[c] = _mm512_dpbusd_epi32(zero, q[c], _mm512_loadu_si512((const void *)(y->qs + 64 * c)));
+                const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+                const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+                __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+                s = _mm512_add_epi32(s, q6k_offsets(y->bsums));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dsc, _mm512_set1_ps(y->d)), acc[t]);
             }
         }
         for (int t = 0; t < T; t++) ys[t][r] = _mm512_reduce_add_ps(acc[t]);

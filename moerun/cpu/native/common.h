@@ -55,6 +55,12 @@ void init_generic(void);
 void init_avx512(void); /* overrides entries of FMT where the variant has faster code */
 void init_avx2(void);
 
+/* The calling thread's scratch buffer of at least `bytes` bytes, 64-byte aligned, kept from call to
+ * call (NULL: out of memory). A call's large buffers (the MoE step's hidden rows, a prompt's
+ * quantised activations) come from it instead of fresh allocations, whose pages each cost a fault
+ * on first touch. Contents undefined; one request per entry point call, not nested. */
+void *moerun_scratch(size_t bytes);
+
 void quantize_q8k(const float *x, int64_t n, q8k_t *y);
 void quantize_q8a(const float *x, int64_t n, q8a_t *y);
 

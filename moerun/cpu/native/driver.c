@@ -22,6 +22,7 @@ __attribute__((constructor)) void moerun_ensure_init(void) { /* runs when the li
     init_avx2();
     init_avx512();
     init_gemm_kq_avx512();
+    init_gemm_q6k_avx512();
     init_gemm_b32_avx512();
     initialised = 1;
 }
@@ -83,8 +84,6 @@ int moerun_quantize(int act, const float *x, int64_t T, int64_t n, void *out) {
     return 0;
 }
 
-static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64); }
-
 static int check_format(int fmt, int64_t n) {
     if (fmt < 0 || fmt >= F_COUNT) return -1;
     if (n % FMT[fmt].block) return -2;
@@ -116,11 +115,9 @@ static int matmul_gemm(int fmt, const gemm_ops *g, const uint8_t *w, int64_t row
                        const float *x, int64_t T, float *y, int nthreads) {
     const int act = FMT[fmt].act;
     const size_t xb = act_bytes(act, n);
-    void *xq = alloc64(xb * (size_t)T), *xl = alloc64(g->size(fmt, T, n));
-    if (!xq || !xl) {
-        free(xq), free(xl);
-        return -4;
-    }
+    const size_t xq_bytes = (xb * (size_t)T + 63) / 64 * 64;
+    char *xq = moerun_scratch(xq_bytes + g->size(fmt, T, n) + 64), *xl = xq + xq_bytes;
+    if (!xq) return -4;
     const int64_t groups = (T + GEMM_TOKENS - 1) / GEMM_TOKENS;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -132,7 +129,6 @@ static int matmul_gemm(int fmt, const gemm_ops *g, const uint8_t *w, int64_t row
         int64_t lo = rows * tid / nth, hi = rows * (tid + 1) / nth;
         if (hi > lo) g->run(fmt, w, (size_t)rb, lo, hi, n, xl, T, y, rows);
     }
-    free(xq), free(xl);
     return 0;
 }
 
@@ -150,7 +146,7 @@ int moerun_matmul(int fmt, const uint8_t *w, int64_t rows, int64_t n, int64_t ro
     rows_fn fn = act == ACT_F32 ? f->exact : f->integer;
     size_t xb = act_bytes(act, n);
     void *xq = NULL;
-    if (act != ACT_F32 && !(xq = alloc64(xb * (size_t)T))) return -4;
+    if (act != ACT_F32 && !(xq = moerun_scratch(xb * (size_t)T + 64))) return -4;
     const char *xs_base = act == ACT_F32 ? (const char *)x : (const char *)xq;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -162,6 +158,5 @@ int moerun_matmul(int fmt, const uint8_t *w, int64_t rows, int64_t n, int64_t ro
         int64_t lo = rows * tid / nth, hi = rows * (tid + 1) / nth;
         if (hi > lo) rows_tiled(fn, w, (size_t)row_bytes, lo, hi, n, xs_base, xb, T, y, rows);
     }
-    free(xq);
     return 0;
 }

@@ -30,7 +30,8 @@ typedef struct {
 
 /* Per format: the GEMM of this variant, or run == NULL (the row kernels take every T). */
 extern gemm_ops GEMM[F_COUNT];
-void init_gemm_kq_avx512(void); /* q4_k, q5_k, q6_k */
+void init_gemm_kq_avx512(void); /* q4_k, q5_k */
+void init_gemm_q6k_avx512(void);
 void init_gemm_b32_avx512(void); /* q8_0, q4_0, mxfp4 (both nibble orders) */
 
 #endif

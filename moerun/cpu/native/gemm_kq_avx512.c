@@ -1,9 +1,9 @@
-/* AVX-512 prefill GEMM for the k-quants q4_k, q5_k, q6_k x q8_K (integer mode).
+/* AVX-512 prefill GEMM for the k-quants q4_k, q5_k x q8_K (integer mode; q6_k: gemm_q6k_avx512.c).
  *
  * The integer matvec (avx512.c) computes, per output (row r, token t) and super-block b, 16 int32
  * lanes s (vpmaddubsw + vpdpwssd over four 64-element chunks, lane j holding elements 4j .. 4j + 3
  * of each chunk times their sub-block scale), then acc += float(s) * (yd * d) in 16 fp32 lanes, and
- * for q4_k / q5_k a 4-lane mins accumulator; the output is reduce(acc) - hsum(mins). Integer sums
+ * a 4-lane mins accumulator; the output is reduce(acc) - hsum(mins). Integer sums
  * are exact, so any instruction sequence giving the same lane values gives the same s; the fp32
  * steps are repeated here in the same order. What changes is the blocking: 4 rows are decoded
  * once (into the vectors the matvec builds in registers) and run against the tokens 4 at a time,
@@ -17,17 +17,15 @@
 #define GR 4 /* rows per micro-kernel */
 #define GT GEMM_TOKENS
 
-/* One row's super-block as the matvec holds it: the u8 chunks, the per-lane int16 scales, and
- * `extra`: q4_k / q5_k its 8 mins repeated in each 128-bit lane (vpmaddwd against 4 tokens'
- * pairwise bsums at once); q6_k -32 * its 16 scales (vpdpwssd against bsums: the offset 32). */
+/* One row's super-block as the matvec holds it: the u8 chunks, the per-lane int16 scales, and its
+ * 8 mins repeated in each 128-bit lane (vpmaddwd against 4 tokens' pairwise bsums at once). */
 typedef struct {
-    __m512i q[4], s16[4], extra;
+    __m512i q[4], s16[4], mins;
 } kdec_t;
 
 /* The activation layout of T tokens (Tp: T rounded up to GT), each part 64-byte aligned. */
 typedef struct {
     int8_t *qs;     /* [Tp][nb][256] */
-    __m512i *bs;    /* [Tp][nb]: bsums (16 x int16) in the low half (q6_k) */
     __m512i *bs8;   /* [Tp / GT][nb]: per token its 8 pairwise bsums sums, a 128-bit lane each */
     float *yd;      /* [Tp / GT][nb][GT] */
     __m512 *ydv;    /* [Tp / GT][nb]: each token's d in its 4 lanes */
@@ -40,7 +38,6 @@ static kx_t kx_layout(void *base, int64_t T, int64_t nb) {
     char *p = base;
     kx_t x;
     x.qs = (int8_t *)p, p += Tp * nb * 256;
-    x.bs = (__m512i *)p, p += Tp * nb * 64;
     x.bs8 = (__m512i *)p, p += Tp / GT * nb * 64;
     x.ydv = (__m512 *)p, p += Tp / GT * nb * 64;
     x.yd = (float *)p;
@@ -50,7 +47,7 @@ static kx_t kx_layout(void *base, int64_t T, int64_t nb) {
 static size_t kq_size(int fmt, int64_t T, int64_t n) {
     (void)fmt;
     const int64_t Tp = padded(T), nb = n / 256;
-    return (size_t)(Tp * nb * (256 + 64) + Tp / GT * nb * (64 + 64) + Tp * nb * 4);
+    return (size_t)(Tp * nb * 256 + Tp / GT * nb * (64 + 64) + Tp * nb * 4);
 }
 
 static void kq_prep(int fmt, const void *xq, int64_t g, int64_t T, int64_t n, void *xl) {
@@ -65,7 +62,6 @@ static void kq_prep(int fmt, const void *xq, int64_t g, int64_t T, int64_t n, vo
             int8_t *qs = x.qs + (t * nb + b) * 256;
             if (t >= T) {
                 memset(qs, 0, 256);
-                x.bs[t * nb + b] = _mm512_setzero_si512();
                 bs8[i] = _mm_setzero_si128();
                 d[i] = 0;
                 continue;
@@ -73,7 +69,6 @@ static void kq_prep(int fmt, const void *xq, int64_t g, int64_t T, int64_t n, vo
             const q8k_t *y = (const q8k_t *)xq + t * nb + b;
             memcpy(qs, y->qs, 256);
             const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
-            x.bs[t * nb + b] = _mm512_zextsi256_si512(bs);
             bs8[i] = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
             d[i] = y->d;
         }
@@ -87,32 +82,9 @@ static void kq_prep(int fmt, const void *xq, int64_t g, int64_t T, int64_t n, vo
     }
 }
 
-/* One super-block of one row, decoded as q45_k_body / q6_k_body decode it. */
+/* One super-block of one row, decoded as q45_k_body decodes it. */
 static inline void kq_decode(int fmt, const uint8_t *blk, kdec_t *o, float *d, float *dmin) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    if (fmt == F_Q6_K) {
-        const __m512i m2 = _mm512_set1_epi8(0x03);
-        *d = f16_at(blk + 208);
-        *dmin = 0;
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-        const __m512i scv = _mm512_castsi256_si512(sc16);
-        for (int h = 0; h < 2; h++) {
-            __m512i L = _mm512_loadu_si512((const void *)(blk + 64 * h));
-            __m256i Q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            __m512i Q2 = _mm512_inserti64x4(_mm512_castsi256_si512(Q), _mm256_srli_epi16(Q, 2), 1);
-            o->q[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(Q2, m2), 4));
-            o->q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                                              _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Q2, 4), m2), 4));
-        }
-        const __m512i lane = _mm512_srli_epi16(
-            _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10,
-                             9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-            3);
-        for (int c = 0; c < 4; c++)
-            o->s16[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(lane, _mm512_set1_epi16(4 * c)), scv);
-        o->extra = _mm512_zextsi256_si512(_mm256_mullo_epi16(sc16, _mm256_set1_epi16(-32)));
-        return;
-    }
     const int five = fmt == F_Q5_K;
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     const __m512i idx_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(1), 1);
@@ -132,12 +104,12 @@ static inline void kq_decode(int fmt, const uint8_t *blk, kdec_t *o, float *d, f
         }
         o->s16[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(idx_lo, _mm512_set1_epi16(2 * c)), scv);
     }
-    o->extra = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_srli_si128(scmn, 8)));
+    o->mins = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_srli_si128(scmn, 8)));
 }
 
 /* Rows r .. r + nr - 1 (nr <= GR; D holds GR decoded rows per block, the missing ones zero) times
  * tokens 4g .. 4g + 3, written where t < T. */
-static inline __attribute__((always_inline)) void kq_tile(int q6, const kdec_t *D, const float *dd,
+static inline __attribute__((always_inline)) void kq_tile(const kdec_t *D, const float *dd,
                                                           const float *dm, int64_t nb, const kx_t *x,
                                                           int64_t g, int64_t T, int nr, float *y,
                                                           int64_t ys) {
@@ -160,47 +132,38 @@ static inline __attribute__((always_inline)) void kq_tile(int q6, const kdec_t *
                 for (int t = 0; t < GT; t++) s[i][t] = _mm512_dpwssd_epi32(s[i][t], _mm512_maddubs_epi16(q, xv[t]), sv);
             }
         }
-        if (q6)
-            for (int t = 0; t < GT; t++) {
-                const __m512i bs = x->bs[(GT * g + t) * nb + b];
-                for (int i = 0; i < GR; i++) s[i][t] = _mm512_dpwssd_epi32(s[i][t], bs, W[i].extra);
-            }
         const float *yd = x->yd + (g * nb + b) * GT;
         for (int i = 0; i < GR; i++)
             for (int t = 0; t < GT; t++)
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][t]), _mm512_set1_ps(yd[t] * dd[b * GR + i]), acc[i][t]);
-        if (!q6)
-            for (int i = 0; i < GR; i++) {
-                const __m512i m = _mm512_madd_epi16(W[i].extra, x->bs8[g * nb + b]);
-                const __m512 sc = _mm512_mul_ps(x->ydv[g * nb + b], _mm512_set1_ps(dm[b * GR + i]));
-                accm[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), sc, accm[i]);
-            }
+        for (int i = 0; i < GR; i++) {
+            const __m512i m = _mm512_madd_epi16(W[i].mins, x->bs8[g * nb + b]);
+            const __m512 sc = _mm512_mul_ps(x->ydv[g * nb + b], _mm512_set1_ps(dm[b * GR + i]));
+            accm[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), sc, accm[i]);
+        }
     }
     for (int i = 0; i < nr; i++)
         for (int t = 0; t < GT && GT * g + t < T; t++) {
-            float v = _mm512_reduce_add_ps(acc[i][t]);
-            if (!q6) { /* the matvec's hsum of its 4-lane mins accumulator */
-                __m128 m = _mm512_extractf32x4_ps(accm[i], 0);
-                if (t == 1) m = _mm512_extractf32x4_ps(accm[i], 1);
-                if (t == 2) m = _mm512_extractf32x4_ps(accm[i], 2);
-                if (t == 3) m = _mm512_extractf32x4_ps(accm[i], 3);
-                m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-                m = _mm_add_ss(m, _mm_movehdup_ps(m));
-                v -= _mm_cvtss_f32(m);
-            }
-            y[(GT * g + t) * ys + i] = v;
+            /* the matvec's hsum of its 4-lane mins accumulator */
+            __m128 m = _mm512_extractf32x4_ps(accm[i], 0);
+            if (t == 1) m = _mm512_extractf32x4_ps(accm[i], 1);
+            if (t == 2) m = _mm512_extractf32x4_ps(accm[i], 2);
+            if (t == 3) m = _mm512_extractf32x4_ps(accm[i], 3);
+            m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            y[(GT * g + t) * ys + i] = _mm512_reduce_add_ps(acc[i][t]) - _mm_cvtss_f32(m);
         }
 }
 
 /* Tokens in chunks whose activations stay in L2 (each chunk re-decodes the rows). */
 static int64_t token_chunk(int64_t nb) {
-    int64_t c = (512 * 1024 / (nb * 320)) / GT * GT;
+    int64_t c = (512 * 1024 / (nb * 288)) / GT * GT;
     return c < GT ? GT : c;
 }
 
 static void kq_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n, const void *xl,
                    int64_t T, float *y, int64_t ys) {
-    const int64_t nb = n / 256, bytes = fmt == F_Q6_K ? 210 : fmt == F_Q5_K ? 176 : 144;
+    const int64_t nb = n / 256, bytes = fmt == F_Q5_K ? 176 : 144;
     const kx_t x = kx_layout((void *)xl, T, nb);
     kdec_t *D = aligned_alloc(64, (size_t)(nb * GR) * sizeof(kdec_t));
     float *dd = malloc((size_t)(nb * GR) * 2 * sizeof(float));
@@ -220,21 +183,16 @@ static void kq_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1,
                     if (i < nr) kq_decode(fmt, w + (r + i) * rb + b * bytes, o, &dd[b * GR + i], &dm[b * GR + i]);
                     else memset(o, 0, sizeof *o), dd[b * GR + i] = dm[b * GR + i] = 0;
                 }
-            for (int64_t g = g0; g < g1; g++) {
-                if (fmt == F_Q6_K) kq_tile(1, D, dd, dm, nb, &x, g, T, nr, y + r, ys);
-                else kq_tile(0, D, dd, dm, nb, &x, g, T, nr, y + r, ys);
-            }
+            for (int64_t g = g0; g < g1; g++) kq_tile(D, dd, dm, nb, &x, g, T, nr, y + r, ys);
         }
     }
     free(D), free(dd);
 }
 
 void init_gemm_kq_avx512(void) {
-    /* q6_k's row kernel already runs about as fast for T <= 64 (its extra offset term costs the
-     * GEMM what the blocking saves), q4_k's / q5_k's from T of about 16 */
+    /* faster than the row kernels from T of about 16 */
     GEMM[F_Q4_K] = (gemm_ops){16, kq_size, kq_prep, kq_run};
     GEMM[F_Q5_K] = (gemm_ops){16, kq_size, kq_prep, kq_run};
-    GEMM[F_Q6_K] = (gemm_ops){64, kq_size, kq_prep, kq_run};
 }
 #else
 void init_gemm_kq_avx512(void) {}

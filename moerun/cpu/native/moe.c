@@ -97,8 +97,6 @@ static int64_t work_row(int64_t b, int64_t rows, const int64_t *off, int64_t E) 
     return E * rows;
 }
 
-static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64); }
-
 /* Sets up the GEMM of each expert's projection that has enough tokens (integer mode, a GEMM for its
  * format): the byte offsets of their rearranged activations in one buffer; returns its size. */
 static size_t plan_gemm(proj_t *p, int64_t E, const int64_t *off, int64_t n, int integer, int allow,
@@ -178,23 +176,27 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
     size_t xk = q_bytes(ACT_Q8_K, H), x0 = q_bytes(ACT_Q8_0, H);
     size_t ak = q_bytes(ACT_Q8_K, I), a0 = q_bytes(ACT_Q8_0, I);
     const size_t P1 = (size_t)(P > 0 ? P : 1);
-    float *h = malloc(P1 * (size_t)R1 * sizeof(float)), *a = malloc(P1 * (size_t)I * sizeof(float));
-    float *y = malloc(P1 * (size_t)H * sizeof(float));
-    char *xq_k = need[0][ACT_Q8_K] ? malloc(xk * (size_t)T) : NULL;
-    char *xq_0 = need[0][ACT_Q8_0] ? malloc(x0 * (size_t)T) : NULL;
-    char *aq_k = need[1][ACT_Q8_K] ? malloc(ak * P1) : NULL;
-    char *aq_0 = need[1][ACT_Q8_0] ? malloc(a0 * P1) : NULL;
+    float *h = NULL, *a = NULL, *y = NULL;
+    char *xq_k = NULL, *xq_0 = NULL, *aq_k = NULL, *aq_0 = NULL;
     char *xl1 = NULL, *xl2 = NULL, *xg = NULL; /* the GEMMs' activations; gathered token rows */
-    if (!gu || !dn || !off || !pos || !tok || !ident || !expert_at || !xl_off || !h || !a || !y ||
-        (need[0][ACT_Q8_K] && !xq_k) || (need[0][ACT_Q8_0] && !xq_0) || (need[1][ACT_Q8_K] && !aq_k) ||
-        (need[1][ACT_Q8_0] && !aq_0))
-        err = err ? err : -4;
-    if (!err) {
+    if (!gu || !dn || !off || !pos || !tok || !ident || !expert_at || !xl_off) err = err ? err : -4;
+    if (!err) { /* the large buffers, carved from the thread's scratch (reused call to call) */
         size_t n1 = plan_gemm(gu, E, off, H, integer, allow_gemm, xl_off);
         size_t n2 = plan_gemm(dn, E, off, I, integer, allow_gemm, xl_off + E);
-        xl1 = n1 ? alloc64(n1) : NULL, xl2 = n2 ? alloc64(n2) : NULL;
-        xg = n1 ? malloc((xk > x0 ? xk : x0) * P1) : NULL;
-        if ((n1 && (!xl1 || !xg)) || (n2 && !xl2)) err = -4;
+        void **bufs[] = {(void **)&h, (void **)&a, (void **)&y, (void **)&xq_k, (void **)&xq_0,
+                         (void **)&aq_k, (void **)&aq_0, (void **)&xl1, (void **)&xl2, (void **)&xg};
+        const size_t sizes[] = {P1 * (size_t)R1 * sizeof(float), P1 * (size_t)I * sizeof(float),
+                                P1 * (size_t)H * sizeof(float), need[0][ACT_Q8_K] ? xk * (size_t)T : 0,
+                                need[0][ACT_Q8_0] ? x0 * (size_t)T : 0, need[1][ACT_Q8_K] ? ak * P1 : 0,
+                                need[1][ACT_Q8_0] ? a0 * P1 : 0, n1, n2, n1 ? (xk > x0 ? xk : x0) * P1 : 0};
+        size_t total = 0;
+        for (int i = 0; i < 10; i++) total += (sizes[i] + 63) / 64 * 64;
+        char *base = moerun_scratch(total + 64); /* + 64: a vector load may read past the last */
+        if (!base) err = -4;
+        for (int i = 0; i < 10 && base; i++) {
+            *bufs[i] = sizes[i] ? base : NULL;
+            base += (sizes[i] + 63) / 64 * 64;
+        }
         for (int64_t e = 0; e < E && !err; e++) {
             gu[e].xl = gu[e].gemm ? xl1 + xl_off[e] : NULL;
             dn[e].xl = dn[e].gemm ? xl2 + xl_off[E + e] : NULL;
@@ -263,6 +265,5 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
         }
     }
     free(gu), free(dn), free(off), free(pos), free(tok), free(ident), free(expert_at), free(xl_off);
-    free(h), free(a), free(y), free(xq_k), free(xq_0), free(aq_k), free(aq_0), free(xl1), free(xl2), free(xg);
     return err;
 }

@@ -11,6 +11,8 @@ tensors) runs Triton kernels in triton's interpreter.
 `MOERUN_CPU_ISA` forces the native CPU kernels' variant: `generic`, `avx2` or `avx512` (at most what
 the CPU supports), or `off` to not use them; unset picks the best the CPU runs.
 `MOERUN_CPU_BUILD_DIR` is where those kernels are compiled to (default `~/.cache/moerun/cpu`).
+`MOERUN_CPU_MALLOC`: `tuned` (default) raises glibc's malloc thresholds once the native CPU kernels
+load (moerun.cpu.allocator), `default` leaves them as they are.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 TRACE_CHANNELS = frozenset({"perf", "buffers"})
 CPU_ISAS = ("generic", "avx2", "avx512", "off")
+CPU_MALLOCS = ("tuned", "default")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Settings:
     triton_interpret: bool = False
     cpu_isa: str | None = None  # MOERUN_CPU_ISA, one of CPU_ISAS; None: the best the CPU supports
     cpu_build_dir: Path | None = None
+    cpu_malloc: str = "tuned"  # MOERUN_CPU_MALLOC, one of CPU_MALLOCS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -50,12 +54,16 @@ class Settings:
         if cpu_isa is not None and cpu_isa not in CPU_ISAS:
             raise ValueError(f"MOERUN_CPU_ISA={cpu_isa!r} is not one of {', '.join(CPU_ISAS)}.")
         build_dir = environ.get("MOERUN_CPU_BUILD_DIR", "").strip()
+        cpu_malloc = environ.get("MOERUN_CPU_MALLOC", "").strip().lower() or "tuned"
+        if cpu_malloc not in CPU_MALLOCS:
+            raise ValueError(f"MOERUN_CPU_MALLOC={cpu_malloc!r} is not one of {', '.join(CPU_MALLOCS)}.")
         return cls(
             trace=channels,
             hf_hub_cache=_hf_hub_cache(environ),
             triton_interpret=interpret,
             cpu_isa=cpu_isa,
             cpu_build_dir=Path(build_dir).expanduser() if build_dir else None,
+            cpu_malloc=cpu_malloc,
         )
 
 

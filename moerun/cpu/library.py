@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch  # noqa: F401  (loaded first: the kernels then share its libgomp)
 
+from moerun.cpu import allocator
 from moerun.settings import settings
 
 FORMAT_IDS = {
@@ -184,6 +185,7 @@ def load() -> Native | str:
         reason = f"the native CPU kernels could not be loaded: {exc}."
         print(f"moerun: {reason} Using the torch/numba path.", file=sys.stderr)
         return reason
+    allocator.tune()
     return _bind(lib, variant, features)
 
 

@@ -1,6 +1,6 @@
 /* AVX-512 integer-mode kernels (F + BW + VL + VNNI): q2_k .. q6_k x q8_K; q8_0, q4_0, mxfp4 x q8_0.
  * As ggml-cpu's x86 vec_dot functions: u8 x s8 products (vpmaddubsw / vpdpbusd), the sub-block
- * scales applied in int32 (vpdpwssd), one fp32 multiply-add per block. Weights are unpacked once
+ * scales applied in int32 (vpdpwssd; q6_k: in fp32, avx512.h), one fp32 multiply-add per block. Weights are unpacked once
  * per block for all T tokens; every load is unaligned, and the order of the sums depends only on
  * the row, so results do not depend on addresses or the thread count. */
 #include "avx512.h"

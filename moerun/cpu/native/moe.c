@@ -2,8 +2,8 @@
  * expert's rows read once for all its tokens, through the prefill GEMM where it has enough of them),
  * the activation, down, and each token's ordered weighted sum, in one OpenMP parallel region with
  * barriers between the phases. The step's slots are laid out by expert ("positions"); threads split
- * the rows of all the step's experts (static contiguous chunks of equal work: rows times the
- * expert's tokens), then the positions, then the output columns. */
+ * the rows of all the step's experts (static contiguous chunks of about equal time: rows times the
+ * expert's tokens, row_costs), then the positions, then the output columns. */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -88,13 +88,26 @@ static void phase_rows(const proj_t *p, int64_t lo, int64_t hi, int64_t rows, in
     }
 }
 
-/* The global row (of E experts' `rows`-row projections) at work b, where expert e's rows each
- * cost its token count off[e + 1] - off[e]: splitting work 0 .. S * rows evenly gives each thread
- * as many (row, token) products, not as many rows. Monotone in b; f(0) = 0, f(S * rows) = E * rows. */
-static int64_t work_row(int64_t b, int64_t rows, const int64_t *off, int64_t E) {
+/* The global row (of E experts' `rows`-row projections) at work b, where each row of expert e
+ * costs cost[e + 1] - cost[e] (cost: prefix sums): splitting work 0 .. cost[E] * rows evenly gives
+ * each thread about as much time, not as many rows. Monotone in b; f(0) = 0, f(cost[E] * rows) =
+ * E * rows. */
+static int64_t work_row(int64_t b, int64_t rows, const int64_t *cost, int64_t E) {
     for (int64_t e = 0; e < E; e++)
-        if (b < off[e + 1] * rows) return e * rows + (b - off[e] * rows) / (off[e + 1] - off[e]);
+        if (b < cost[e + 1] * rows) return e * rows + (b - cost[e] * rows) / (cost[e + 1] - cost[e]);
     return E * rows;
+}
+
+/* Prefix sums of a row's cost per expert, in token-products: its tokens (the GEMM's rounded up to
+ * its 4-token micro-kernel) and one more for decoding the row's blocks; 0 for an expert without
+ * tokens. */
+static void row_costs(const proj_t *p, const int64_t *off, int64_t E, int64_t *cost) {
+    cost[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t cnt = off[e + 1] - off[e];
+        const int64_t c = p[e].gemm ? (cnt + GEMM_TOKENS - 1) / GEMM_TOKENS * GEMM_TOKENS : cnt;
+        cost[e + 1] = cost[e] + (cnt ? c + 1 : 0);
+    }
 }
 
 /* Sets up the GEMM of each expert's projection that has enough tokens (integer mode, a GEMM for its
@@ -135,6 +148,7 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
     int64_t *ident = malloc((size_t)S * sizeof *ident);      /* position -> position */
     int64_t *expert_at = malloc((size_t)S * sizeof *expert_at);
     size_t *xl_off = calloc((size_t)E * 2, sizeof *xl_off);
+    int64_t *cost = malloc((size_t)(E + 1) * 2 * sizeof *cost); /* gate_up's, then down's */
     int need[2][3] = {{0}};
     int err = 0;
     for (int64_t e = 0; e < E && !err && gu && dn; e++) {
@@ -179,10 +193,12 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
     float *h = NULL, *a = NULL, *y = NULL;
     char *xq_k = NULL, *xq_0 = NULL, *aq_k = NULL, *aq_0 = NULL;
     char *xl1 = NULL, *xl2 = NULL, *xg = NULL; /* the GEMMs' activations; gathered token rows */
-    if (!gu || !dn || !off || !pos || !tok || !ident || !expert_at || !xl_off) err = err ? err : -4;
+    if (!gu || !dn || !off || !pos || !tok || !ident || !expert_at || !xl_off || !cost) err = err ? err : -4;
     if (!err) { /* the large buffers, carved from the thread's scratch (reused call to call) */
         size_t n1 = plan_gemm(gu, E, off, H, integer, allow_gemm, xl_off);
         size_t n2 = plan_gemm(dn, E, off, I, integer, allow_gemm, xl_off + E);
+        row_costs(gu, off, E, cost);
+        row_costs(dn, off, E, cost + E + 1);
         void **bufs[] = {(void **)&h, (void **)&a, (void **)&y, (void **)&xq_k, (void **)&xq_0,
                          (void **)&aq_k, (void **)&aq_0, (void **)&xl1, (void **)&xl2, (void **)&xg};
         const size_t sizes[] = {P1 * (size_t)R1 * sizeof(float), P1 * (size_t)I * sizeof(float),
@@ -227,7 +243,8 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
                         GEMM[f].prep(f, g, gi, cnt, H, gu[e].xl);
                 }
             }
-            phase_rows(gu, work_row(P * R1 * tid / nth, R1, off, E), work_row(P * R1 * (tid + 1) / nth, R1, off, E),
+            const int64_t *cg = cost, *cd = cost + E + 1;
+            phase_rows(gu, work_row(cg[E] * R1 * tid / nth, R1, cg, E), work_row(cg[E] * R1 * (tid + 1) / nth, R1, cg, E),
                        R1, H, off, tok, xb, xst, h, R1);
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -248,7 +265,7 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
                         GEMM[f].prep(f, g, gi, cnt, I, dn[e].xl);
                 }
             }
-            phase_rows(dn, work_row(P * H * tid / nth, H, off, E), work_row(P * H * (tid + 1) / nth, H, off, E), H,
+            phase_rows(dn, work_row(cd[E] * H * tid / nth, H, cd, E), work_row(cd[E] * H * (tid + 1) / nth, H, cd, E), H,
                        I, off, ident, ab, ast, y, H);
 #pragma omp barrier
             int64_t c0 = H * tid / nth, c1 = H * (tid + 1) / nth;
@@ -264,6 +281,6 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
             }
         }
     }
-    free(gu), free(dn), free(off), free(pos), free(tok), free(ident), free(expert_at), free(xl_off);
+    free(gu), free(dn), free(off), free(pos), free(tok), free(ident), free(expert_at), free(xl_off), free(cost);
     return err;
 }

@@ -12,7 +12,7 @@ test can load it back into the transformers model and compare like with like.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import gguf
@@ -52,11 +52,13 @@ def write_gguf(
     skip: Collection[str] = (),
     per_expert: bool = False,
     fuse_gate_up: bool = False,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write `model` to `path`: gate experts in format `experts`, up in `up`, down in `down` (both
     default to `experts`), attention projections in `attention` ("f32" or a block format); tensors
     named in `skip` are left out; `per_expert` writes the old one-tensor-per-expert layout and
-    `fuse_gate_up` the newer fused ffn_gate_up_exps (gate rows then up rows; --fuse-gate-up-exps).
+    `fuse_gate_up` the newer fused ffn_gate_up_exps (gate rows then up rows; --fuse-gate-up-exps);
+    `extra(writer)` adds more metadata (a vocabulary: tiny_tokenizers.add_gguf_vocab).
 
     Returns {transformers parameter name: tensor} for every parameter whose stored values differ from
     the model's (the quantised ones, dequantised, in transformers' layout)."""
@@ -64,6 +66,8 @@ def write_gguf(
     arch = ARCHS[model_type]
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     _metadata(writer, config, model_type)
+    if extra is not None:
+        extra(writer)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     formats = {"gate": experts, "up": up or experts, "down": down or experts}
     updates: dict[str, torch.Tensor] = {}

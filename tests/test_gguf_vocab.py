@@ -6,14 +6,21 @@ for SentencePiece, merges for byte-level BPE."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
-from tiny_tokenizers import STRINGS, byte_level_tokenizer, random_ids, random_text, sentencepiece_tokenizer
+from tiny_tokenizers import (
+    STRINGS,
+    add_gguf_vocab,
+    byte_level_tokenizer,
+    random_ids,
+    random_text,
+    sentencepiece_tokenizer,
+    vocab_tokens,
+)
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, pre_tokenizers
 from transformers import AutoTokenizer
@@ -22,27 +29,6 @@ from transformers.tokenization_utils_base import generate_merges
 from moerun.loader import GGUFFile
 from moerun.text import ChatTemplateError, Tokenizer
 from moerun.text.gguf_vocab import byte_level_pre_tokenizer, bytes_to_unicode, merges_from_scores
-
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
-
-
-def token_types(tok: Backend, kind: str) -> list[int]:
-    added = {t.content: t.special for t in tok.get_added_tokens_decoder().values()}
-    types = []
-    for text in vocab_tokens(tok):
-        if text == "<unk>":
-            types.append(UNKNOWN)
-        elif text in added:
-            types.append(CONTROL if added[text] else USER_DEFINED)
-        elif kind == "llama" and text.startswith("<0x") and len(text) == 6:
-            types.append(BYTE)
-        else:
-            types.append(NORMAL)
-    return types
-
-
-def vocab_tokens(tok: Backend) -> list[str]:
-    return [text for text, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
 
 
 def write_gguf_vocab(
@@ -58,24 +44,8 @@ def write_gguf_vocab(
 ) -> Path:
     """A GGUF file holding `tok`'s vocabulary (no tensors); `keys` are GGUFWriter.add_<key> calls,
     e.g. bos_token_id=1, add_bos_token=True."""
-    model = json.loads(tok.to_str())["model"]
-    tokens = vocab_tokens(tok)
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_tokenizer_model(kind)
-    if pre is not None:
-        writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types(tok, kind))
-    if scores:
-        # A merged piece scores by its merge's rank (earlier is better), single characters lowest.
-        rank = {a + b: i for i, (a, b) in enumerate(model["merges"])}
-        writer.add_token_scores([-float(rank.get(t, 1e6)) for t in tokens])
-    if merges:
-        writer.add_token_merges([" ".join(m) for m in model["merges"]])
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
-    for key, value in keys.items():
-        getattr(writer, f"add_{key}")(value)
+    add_gguf_vocab(writer, tok, kind, pre, merges, scores, chat_template, **keys)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -183,6 +183,61 @@ VARIANTS = {
 }
 
 
+# GGUF token types (llama.cpp's)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
+
+
+def token_types(tok: Backend, kind: str) -> list[int]:
+    added = {t.content: t.special for t in tok.get_added_tokens_decoder().values()}
+    types = []
+    for text in vocab_tokens(tok):
+        if text == "<unk>":
+            types.append(UNKNOWN)
+        elif text in added:
+            types.append(CONTROL if added[text] else USER_DEFINED)
+        elif kind == "llama" and text.startswith("<0x") and len(text) == 6:
+            types.append(BYTE)
+        else:
+            types.append(NORMAL)
+    return types
+
+
+def vocab_tokens(tok: Backend) -> list[str]:
+    return [text for text, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+
+
+def add_gguf_vocab(
+    writer,
+    tok: Backend,
+    kind: str,
+    pre: str | None = None,
+    merges: bool = True,
+    scores: bool = True,
+    chat_template: str | None = None,
+    **keys,
+) -> None:
+    """`tok`'s vocabulary as llama.cpp's converter writes it, into a gguf.GGUFWriter: kind
+    ("llama" or "gpt2"), tokens, types, scores, merges; `keys` are GGUFWriter.add_<key> calls,
+    e.g. bos_token_id=1, add_bos_token=True."""
+    model = json.loads(tok.to_str())["model"]
+    tokens = vocab_tokens(tok)
+    writer.add_tokenizer_model(kind)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types(tok, kind))
+    if scores:
+        # A merged piece scores by its merge's rank (earlier is better), single characters lowest.
+        rank = {a + b: i for i, (a, b) in enumerate(model["merges"])}
+        writer.add_token_scores([-float(rank.get(t, 1e6)) for t in tokens])
+    if merges:
+        writer.add_token_merges([" ".join(m) for m in model["merges"]])
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    for key, value in keys.items():
+        getattr(writer, f"add_{key}")(value)
+
+
 def random_text(rng: random.Random, n: int) -> str:
     return "".join(rng.choice(PIECES) for _ in range(rng.randrange(n)))
 

@@ -2,8 +2,22 @@
 
 from moerun.checkpoint.load import load
 from moerun.decoder.model import MoEModel, Token
+from moerun.errors import CheckpointError, ConfigError, GGUFMetadataError, TensorError, TokenizerError
 from moerun.moe.layer import MoELayer, MoESpec, StateDictError
 from moerun.moe.routing import RouterError
 
-__all__ = ["MoELayer", "MoEModel", "MoESpec", "RouterError", "StateDictError", "Token", "load"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "GGUFMetadataError",
+    "MoELayer",
+    "MoEModel",
+    "MoESpec",
+    "RouterError",
+    "StateDictError",
+    "TensorError",
+    "Token",
+    "TokenizerError",
+    "load",
+]
 __version__ = "0.1.0"

@@ -179,8 +179,8 @@ def test_bad_header_entries_are_refused(tmp_path, case):
         (struct.pack("<Q", 10**9) + b"{}", "over the 100000000-byte limit"),
         (struct.pack("<Q", 100) + b"{}      ", "runs past the end"),
         (struct.pack("<Q", 8) + b"{not js}", "not valid JSON"),
-        (struct.pack("<Q", 8) + b"\xff\xfe{}    ", "not valid JSON"),
-        (struct.pack("<Q", 8) + b"[1, 2]  ", "JSON list, not an object"),
+        (struct.pack("<Q", 8) + b"\xff\xfe{}    ", "not UTF-8 text"),
+        (struct.pack("<Q", 8) + b"[1, 2]  ", "holds a JSON array, not an object"),
     ],
 )
 def test_malformed_files_are_refused(tmp_path, contents, expected):

@@ -28,7 +28,9 @@ import torch
 
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.model import check_model_tensors
+from moerun.errors import ConfigError, GGUFMetadataError, TensorError, in_file, quote
 from moerun.families import FAMILIES, GGUFFacts, family
+from moerun.families.fields import CheckedConfig, check_field
 from moerun.loader import CheckpointError, GGUFFile
 from moerun.moe.layer import StateDictError
 from moerun.offload.pieces import ExpertPieces, Piece, stand_ins
@@ -86,6 +88,37 @@ _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "toke
 _ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _PER_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # llama.cpp's layout before merged experts
+# metadata key (after "{arch}.") -> the config field whose rule (moerun.families.fields) it obeys
+_AS_FIELD = {
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "rope.dimension_count": "head_dim",
+    "context_length": "max_position_embeddings",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "feed_forward_length": "intermediate_size",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "rope.freq_base": "rope_theta",
+    "rope.scaling.original_context_length": "original_max_position_embeddings",
+    "rope.scaling.yarn_beta_fast": "beta_fast",
+    "rope.scaling.yarn_beta_slow": "beta_slow",
+    "attention.sliding_window": "sliding_window",
+}
+_ROPE_FIELDS = {"rope_theta", "original_max_position_embeddings", "beta_fast", "beta_slow"}
+# config field -> the metadata key it is read from, for messages about the config built from them
+_FROM_KEY = {
+    ("rope_parameters." if field in _ROPE_FIELDS else "") + field: key
+    for key, field in reversed(_AS_FIELD.items())
+} | {
+    "num_local_experts": "expert_count",
+    "clip_qkv": "attention.clamp_kqv",
+    "rope_parameters.factor": "rope.scaling.factor",
+}
 
 
 def gguf_archs() -> dict[str, str]:
@@ -115,12 +148,16 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     """The model a GGUF file describes, from its metadata and tensor names (no weight is read)."""
     arch = gguf.metadata.get("general.architecture")
     archs = gguf_archs()
-    if arch not in archs:
-        raise CheckpointError(
-            f"{gguf.path}: GGUF architecture {arch!r} is not supported; moerun reads {sorted(archs)}."
+    if not isinstance(arch, str) or arch not in archs:
+        raise ConfigError(
+            f"{gguf.path}: GGUF architecture {quote(arch)} is not supported; moerun reads {sorted(archs)}."
         )
-    config = _hf_config(gguf, arch, archs[arch], family(archs[arch]).GGUF)
-    model_config = family(archs[arch]).model_config(config)
+    names = {field: f"metadata key {arch}.{key}" for field, key in _FROM_KEY.items()}
+    try:
+        config = _hf_config(gguf, arch, archs[arch], family(archs[arch]).GGUF)
+        model_config = family(archs[arch]).model_config(CheckedConfig(config, names))
+    except ConfigError as err:
+        raise in_file(err, gguf.path) from None
     return dataclasses.replace(
         model_config, moe_layers=tuple(config["moe_layers"]), dense_intermediate=config["dense_intermediate"]
     )
@@ -134,10 +171,9 @@ def gguf_model(gguf: GGUFFile, assemble: bool = True) -> tuple[ModelConfig, dict
     tensors = _canonical_tensors(gguf, arch, model_config, assemble)
     try:
         check_model_tensors(model_config, stand_ins(tensors))
-    except StateDictError as err:
-        missing = [_gguf_names(k, arch) for k in model_config.tensor_shapes() if k not in tensors]
-        where = f" In the GGUF file the missing tensors are {', '.join(missing[:40])}." if missing else ""
-        raise StateDictError(f"{gguf.path}: {err}{where}") from None
+    except StateDictError:  # again, saying what the missing tensors are called in the file
+        names = {k: _gguf_names(k, arch) for k in model_config.tensor_shapes() if k not in tensors}
+        check_model_tensors(model_config, stand_ins(tensors), names, where=str(gguf.path))
     return model_config, tensors
 
 
@@ -146,10 +182,13 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
     md, names = gguf.metadata, set(gguf.tensor_names())
 
     def get(key: str, default=_REQUIRED):
-        value = md.get(f"{arch}.{key}", default)
-        if value is _REQUIRED:
-            raise CheckpointError(f"{gguf.path}: metadata key {arch}.{key} is missing.")
-        return _single(value, f"{arch}.{key}", gguf)
+        name = f"{arch}.{key}"
+        if name not in md:
+            if default is _REQUIRED:
+                raise GGUFMetadataError(f"{gguf.path}: metadata key {name} is missing.")
+            return default
+        value = _single(md[name], name, gguf)
+        return check_field(_AS_FIELD[key], value, f"metadata key {name}") if key in _AS_FIELD else value
 
     n, hidden, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
     experts = get("expert_count", 0)
@@ -160,7 +199,7 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
         raise CheckpointError(f"{gguf.path}: RoPE over part of each head is not supported.")
     if "token_embd.weight" not in names:
         raise CheckpointError(f"{gguf.path}: has no token_embd.weight tensor.")
-    if get("expert_weights_scale", 0.0) not in (0.0, 1.0):
+    if get("expert_weights_scale", 0.0) not in (0, 1):
         raise CheckpointError(f"{gguf.path}: {arch}.expert_weights_scale is not supported for {arch}.")
     ff = get("feed_forward_length", 0)
     dense = [
@@ -170,10 +209,14 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
     ]
     expert_ff = get(facts.experts_width_key, ff)  # as llama.cpp
     bias = "blk.0.attn_q.bias" in names  # llama.cpp loads attention biases when the file has them
-    eos = [md[k] for k in _EOS_KEYS if k in md]
+    eos = [check_field("token_id", md[k], f"metadata key {k}") for k in _EOS_KEYS if k in md]
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    embed = gguf.info("token_embd.weight").shape
+    if len(embed) != 2:
+        raise TensorError(f"{gguf.path}: token_embd.weight has shape {embed}, not [vocab, hidden].")
     config = {
         "model_type": model_type,
-        "vocab_size": gguf.info("token_embd.weight").shape[0],
+        "vocab_size": embed[0],
         "hidden_size": hidden,
         "num_hidden_layers": n,
         "num_attention_heads": heads,
@@ -190,7 +233,7 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
         "norm_topk_prob": facts.renormalize_top_k,
         "rope_parameters": _rope(gguf, arch, get, facts),
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "bos_token_id": None if bos is None else check_field("token_id", bos, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": sorted(set(eos), key=eos.index),
         "qkv_bias": bias,
         "attention_bias": bias,
@@ -203,10 +246,18 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
     }
     if facts.swa_period is not None:
         pattern = md.get(f"{arch}.attention.sliding_window_pattern", facts.swa_period)
-        if isinstance(pattern, int):  # llama.cpp's set_swa_pattern(period)
-            sliding = [i % pattern < pattern - 1 for i in range(n)]
-        else:  # one flag per layer
-            sliding = [bool(s) for s in pattern]
+        if isinstance(pattern, np.ndarray | list):  # one flag per layer
+            sliding = [bool(s) for s in pattern] if len(pattern) == n else None
+        else:  # llama.cpp's set_swa_pattern(period)
+            period = check_field(
+                "sliding_window_pattern", pattern, f"metadata key {arch}.attention.sliding_window_pattern"
+            )
+            sliding = [i % period < period - 1 for i in range(n)]
+        if sliding is None:
+            raise GGUFMetadataError(
+                f"{gguf.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} flags for "
+                f"{n} layers."
+            )
         config["sliding_window"] = get("attention.sliding_window")
         config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     config.update(facts.swiglu)
@@ -215,20 +266,20 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
 
 def _rope(gguf: GGUFFile, arch: str, get, facts: GGUFFacts) -> dict:
     kind = get("rope.scaling.type", "none")
-    if kind not in _ROPE_TYPES:
-        raise CheckpointError(
-            f"{gguf.path}: {arch}.rope.scaling.type {kind!r} is not supported; "
+    if not isinstance(kind, str) or kind not in _ROPE_TYPES:
+        raise ConfigError(
+            f"{gguf.path}: {arch}.rope.scaling.type {quote(kind)} is not supported; "
             f"moerun knows {list(_ROPE_TYPES)}."
         )
     rope = {"rope_type": _ROPE_TYPES[kind], "rope_theta": float(get("rope.freq_base", 10000.0))}
-    if kind != "none":
-        rope["factor"] = float(get("rope.scaling.factor", 0.0) or get("rope.scale_linear", 0.0) or 1.0)
+    if kind != "none":  # a factor of 0 is llama.cpp's "not set"; the config's own rule checks the rest
+        rope["factor"] = get("rope.scaling.factor", 0.0) or get("rope.scale_linear", 0.0) or 1.0
     if kind == "yarn":
         rope["original_max_position_embeddings"] = get(
             "rope.scaling.original_context_length", get("context_length")
         )
-        rope["beta_fast"] = float(get("rope.scaling.yarn_beta_fast", 32.0))
-        rope["beta_slow"] = float(get("rope.scaling.yarn_beta_slow", 1.0))
+        rope["beta_fast"] = get("rope.scaling.yarn_beta_fast", 32.0)
+        rope["beta_slow"] = get("rope.scaling.yarn_beta_slow", 1.0)
         rope["truncate"] = facts.yarn_truncate  # see the module docstring
     return rope
 
@@ -236,11 +287,16 @@ def _rope(gguf: GGUFFile, arch: str, get, facts: GGUFFacts) -> dict:
 def _single(value, key: str, gguf: GGUFFile):
     """A per-layer array whose entries all agree -> that value; moerun has no per-layer head counts."""
     if isinstance(value, np.ndarray | list):
-        if len(set(np.asarray(value).tolist())) != 1:
-            raise CheckpointError(
-                f"{gguf.path}: {key} differs between layers, which moerun does not support."
+        values = value.tolist() if isinstance(value, np.ndarray) else value
+        if not values or any(isinstance(v, list) for v in values):
+            raise GGUFMetadataError(
+                f"{gguf.path}: metadata key {key} is the array {quote(values)}, not a number."
             )
-        return np.asarray(value).tolist()[0]
+        if len(set(values)) != 1:
+            raise GGUFMetadataError(
+                f"{gguf.path}: metadata key {key} differs between layers, which moerun does not support."
+            )
+        return values[0]
     return value
 
 
@@ -409,6 +465,9 @@ def _gate_and_up(gguf: GGUFFile, parts: _GateUp) -> tuple[Tensor, Tensor]:
     """The gate and up tensors, checked to have the same shape and, for experts, the same format."""
     names = parts.names
     gate, up = (gguf.tensor(n) for n in names)
+    for name, t in zip(names, (gate, up), strict=True):
+        if not isinstance(t, QTensor) and not t.is_floating_point():
+            raise TensorError(f"{gguf.path}: {name} is {t.dtype}, not a floating-point weight.")
     if tuple(gate.shape) != tuple(up.shape):
         raise CheckpointError(
             f"{gguf.path}: {names[0]} is {tuple(gate.shape)} but {names[1]} is {tuple(up.shape)}; "

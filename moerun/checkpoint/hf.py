@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterable
 import torch
 
 from moerun.decoder.config import ModelConfig
+from moerun.errors import TensorError, quote
 from moerun.families import family
 from moerun.families.moe_block import sanitize
 from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces, Piece
-from moerun.quant.formats import QTensor, get_format
+from moerun.quant.formats import FormatError, QTensor, get_format
 from moerun.quant.mxfp4_layouts import gpt_oss_layout_bytes
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
@@ -88,9 +89,36 @@ def canonical_tensors(
     return tensors, sources
 
 
+def _check_pieces(parts: list[list[str]], get) -> None:
+    """Every expert's pieces alike (the same shapes and dtype as expert 0's, floating point, rows of
+    the same width), or one TensorError naming the first tensor that is not."""
+    first = [get(name) for name in parts[0]]
+    for e, names in enumerate(parts):
+        for i, name in enumerate(names):
+            piece, like = get(name), first[i]
+            if piece.dim() < 1 or not piece.is_floating_point():
+                raise TensorError(
+                    f"tensor {quote(name)} is {_kind(piece)}, not a floating-point matrix like an "
+                    "expert weight."
+                )
+            if (piece.shape, piece.dtype) != (like.shape, like.dtype) or piece.shape[1:] != first[0].shape[
+                1:
+            ]:
+                other = parts[0][i] if e else parts[0][0]
+                raise TensorError(
+                    f"tensor {quote(name)} is {_kind(piece)} but {quote(other)} is {_kind(get(other))}; "
+                    "the experts' tensors must match to be stacked."
+                )
+
+
+def _kind(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
 def _stacked(parts: list[list[str]], get, release) -> torch.Tensor:
     """parts[e] = checkpoint names of expert e's pieces, joined along rows -> [E, rows, cols], each
     piece copied straight into place and its mapped pages released."""
+    _check_pieces(parts, get)
     shapes = [get(name).shape for name in parts[0]]
     rows = sum(s[0] for s in shapes)
     out = torch.empty((len(parts), rows, *shapes[0][1:]), dtype=get(parts[0][0]).dtype)
@@ -142,7 +170,10 @@ def _moe_block(model_type: str, block: dict[str, str], get, release, assemble: b
             per_expert[_ROLE[m.group(2)]][int(m.group(1))] = name
         elif rel.endswith("_blocks") and (scales := block.get(rel[: -len("_blocks")] + "_scales")):
             join = _gpt_oss_mxfp4 if assemble else _gpt_oss_mxfp4_pieces
-            quantised[rel[: -len("_blocks")]] = join(get(name), get(scales))
+            try:
+                quantised[rel[: -len("_blocks")]] = join(get(name), get(scales))
+            except FormatError as err:
+                raise TensorError(f"tensors {quote(name)} and {quote(scales)}: {err}") from None
             origin[rel[: -len("_blocks")]] = f"{name} + {scales}"
         elif not rel.endswith("_scales"):
             fused[rel], origin[rel] = get(name), name

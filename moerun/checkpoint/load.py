@@ -18,8 +18,10 @@ import torch
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.model import MoEModel, check_model_tensors
+from moerun.errors import CheckpointError, ConfigError, in_file, shorten
 from moerun.families import family
-from moerun.loader import CheckpointError, GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
+from moerun.families.fields import CheckedConfig
+from moerun.loader import GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.loader.hf_config import read_hf_config
 from moerun.loader.mapped import MappedFile
 from moerun.moe.backends import KernelOptions, resolve_backend
@@ -36,15 +38,20 @@ _STREAMED = re.compile(r"\.moe\.experts\.(gate_up|down)$")
 
 
 def hf_model_config(directory: Path) -> ModelConfig:
+    """The model config.json describes, every field checked (moerun.families.fields)."""
     config = read_hf_config(directory)
     model_type = config["model_type"]
+    path = directory / "config.json"
     try:
         fam = family(model_type)
     except ValueError as err:
-        raise CheckpointError(f"{directory / 'config.json'}: {err}") from None
+        raise ConfigError(f"{path}: {err}") from None
     if not hasattr(fam, "model_config"):
-        raise CheckpointError(f"{directory}: loading whole {model_type} models is not supported yet.")
-    return fam.model_config(config)
+        raise ConfigError(f"{path}: loading whole {model_type} models is not supported yet.")
+    try:
+        return fam.model_config(CheckedConfig(config))
+    except ConfigError as err:
+        raise in_file(err, path) from None
 
 
 def _hf_model(
@@ -58,14 +65,17 @@ def _hf_model(
         if name in checkpoint:
             checkpoint.release(name)
 
-    tensors, sources = canonical_tensors(
-        model_config.model_type,
-        model_config,
-        checkpoint.names(),
-        checkpoint.tensor,
-        release,
-        assemble=not streamed,
-    )
+    try:
+        tensors, sources = canonical_tensors(
+            model_config.model_type,
+            model_config,
+            checkpoint.names(),
+            checkpoint.tensor,
+            release,
+            assemble=not streamed,
+        )
+    except CheckpointError as err:
+        raise in_file(err, root) from None
     check_model_tensors(model_config, stand_ins(tensors), sources, where=str(root))
     files = [MappedFile(f.path, f.mapped) for f in checkpoint.shards]
     return converted(tensors, sources, dtype, release, streamed), files
@@ -152,11 +162,11 @@ def load(
         files = [MappedFile(gguf.path, gguf.mapped)]
         has_tokenizer = "tokenizer.ggml.model" in gguf.metadata
         read = lambda: Tokenizer.from_gguf_metadata(gguf.metadata, source=str(root))  # noqa: E731
-        tokenizer = _tokenizer(read) if has_tokenizer else None
+        tokenizer = _tokenizer(read, root) if has_tokenizer else None
     else:
         tensors, files = _hf_model(root, checkpoint, model_config, dtype, streamed)
         has_tokenizer = (directory / "tokenizer.json").is_file()
-        tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory)) if has_tokenizer else None
+        tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory), directory) if has_tokenizer else None
     cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None
     expert_cache = None
     if streamed:
@@ -245,11 +255,16 @@ def _kv_reserve_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     )
 
 
-def _tokenizer(read: Callable[[], Tokenizer]) -> Tokenizer | None:
-    """The checkpoint's tokenizer; one it has but moerun cannot read is reported, not fatal: the
-    model still runs on token ids."""
+def _tokenizer(read: Callable[[], Tokenizer], source: Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer; one it has but moerun cannot read is reported once, not fatal:
+    the model still runs on token ids."""
     try:
         return read()
-    except (ValueError, OSError) as err:
-        warnings.warn(f"{err} The model loads without a tokenizer (token ids only).", stacklevel=3)
+    except Exception as err:  # noqa: BLE001 - whatever the tokenizer files hold, the model loads
+        reason = (
+            str(in_file(err, source))
+            if isinstance(err, CheckpointError)
+            else (f"{source}: the tokenizer cannot be read ({type(err).__name__}: {shorten(str(err), 150)}).")
+        )
+        warnings.warn(f"{reason} The model loads without a tokenizer (token ids only).", stacklevel=3)
         return None

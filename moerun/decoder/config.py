@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moerun.activations import GLU
+from moerun.errors import ConfigError
 from moerun.moe.layer import MoESpec
 
-
-class ConfigError(ValueError):
-    """A checkpoint config that moerun cannot run."""
+__all__ = ["AttentionSpec", "ConfigError", "ModelConfig", "RopeSpec"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +29,14 @@ class RopeSpec:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("default", "linear", "yarn"):
+            raise ConfigError(
+                f"rope_type {self.kind!r} is not supported; moerun knows default, linear and yarn."
+            )
+        if self.kind == "yarn" and self.original_max_positions is None:
+            raise ConfigError("rope_type 'yarn' needs original_max_position_embeddings in rope_parameters.")
 
 
 @dataclass(frozen=True)
@@ -87,11 +94,23 @@ class ModelConfig:
     def __post_init__(self):
         if len(self.moe_layers) != self.num_layers or len(self.sliding_windows) != self.num_layers:
             raise ConfigError("moe_layers and sliding_windows need one entry per layer.")
-        if self.attention.heads % self.attention.kv_heads:
+        attention, moe = self.attention, self.moe
+        if attention.heads % attention.kv_heads:
             raise ConfigError(
-                f"num_attention_heads={self.attention.heads} is not a multiple of "
-                f"num_key_value_heads={self.attention.kv_heads}."
+                f"num_attention_heads={attention.heads} is not a multiple of "
+                f"num_key_value_heads={attention.kv_heads}."
             )
+        if attention.head_dim < 2 or attention.head_dim % 2:
+            raise ConfigError(
+                f"the head dimension is {attention.head_dim} (head_dim, or hidden_size / "
+                "num_attention_heads); RoPE needs an even number of at least 2."
+            )
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={moe.top_k} must lie in [1, {moe.num_experts}], the number of experts."
+            )
+        if moe.intermediate < 1:
+            raise ConfigError(f"the experts' intermediate size is {moe.intermediate}; it must be at least 1.")
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         H = self.hidden

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from moerun.decoder.config import ConfigError, RopeSpec
+from moerun.decoder.config import RopeSpec
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -16,8 +16,6 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _yarn(spec: RopeSpec, head_dim: int, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
     """YaRN: low frequencies interpolated by `factor`, high ones kept, a linear ramp between."""
-    if spec.original_max_positions is None:
-        raise ConfigError("rope_type 'yarn' needs original_max_position_embeddings in rope_parameters.")
     factor, base = spec.factor, spec.theta
     if spec.attention_factor is not None:
         attention_factor = spec.attention_factor
@@ -54,7 +52,7 @@ def inverse_frequencies(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, fl
         return 1.0 / pos_freqs / spec.factor, 1.0
     if spec.kind == "yarn":
         return _yarn(spec, head_dim, pos_freqs)
-    raise ConfigError(f"rope_type {spec.kind!r} is not supported; moerun knows default, linear and yarn.")
+    raise AssertionError(spec.kind)  # RopeSpec refuses other kinds
 
 
 class Rotary:

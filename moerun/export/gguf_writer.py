@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerun.loader.errors import CheckpointError
+from moerun.errors import CheckpointError
 from moerun.loader.gguf_file import ARRAY, BOOL, DEFAULT_ALIGNMENT, MAGIC, SCALARS, STRING
 from moerun.quant.formats import QTensor
 

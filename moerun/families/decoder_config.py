@@ -13,10 +13,12 @@ from moerun.moe.layer import MoESpec
 
 def rope_spec(config: Mapping, default: Mapping | None = None) -> RopeSpec:
     """RoPE from `rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling`."""
-    params = dict(config.get("rope_parameters") or default or {})
+    given = dict(config.get("rope_parameters") or default or {})
+    params = {key: value for key, value in given.items() if value is not None}  # null: not set
     legacy = config.get("rope_scaling") or {}
     for key, value in legacy.items():
-        params.setdefault(key, value)
+        if value is not None:
+            params.setdefault(key, value)
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     return RopeSpec(
@@ -54,14 +56,26 @@ def sparse_layers(config: Mapping) -> tuple[bool, ...]:
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"]))
 
 
-def windows_from_layer_types(config: Mapping, layer_types: Sequence[str]) -> tuple[int | None, ...]:
-    window = config.get("sliding_window")
+def sliding_window(config: Mapping, default: int | None = None) -> int | None:
+    """The sliding window's length in positions; None (attend to all) where it is unset or 0."""
+    return config.get("sliding_window", default) or None
+
+
+def windows_from_layer_types(
+    config: Mapping, layer_types: Sequence[str], default_window: int | None = None
+) -> tuple[int | None, ...]:
+    window = sliding_window(config, default_window)
     unknown = set(layer_types) - {"sliding_attention", "full_attention"}
     if unknown:
         raise ConfigError(
             f"layer_types {sorted(unknown)} are not supported (sliding or full attention only)."
         )
-    return tuple(window if kind == "sliding_attention" and window else None for kind in layer_types)
+    if len(layer_types) != config["num_hidden_layers"]:
+        raise ConfigError(
+            f"layer_types has {len(layer_types)} entries but num_hidden_layers is "
+            f"{config['num_hidden_layers']}; it needs one per layer."
+        )
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
 def eos_ids(config: Mapping) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """DeepSeek-V2: softmax scores, greedy or group-limited greedy top-k, routed scaling; ungated
 shared experts of `moe_intermediate_size * n_shared_experts`."""
 
+from moerun.errors import ConfigError
 from moerun.families.moe_block import first, fused_expert_names, hf_glu, shared_mlp_names
 from moerun.moe.layer import MoESpec
 from moerun.moe.routing import DeepSeekV2Softmax
@@ -11,7 +12,7 @@ MOE_NAMES = {**fused_expert_names(router="gate"), **shared_mlp_names("shared_exp
 def moe_spec(config: dict) -> MoESpec:
     method = config.get("topk_method", "greedy")
     if method not in ("greedy", "group_limited_greedy"):
-        raise ValueError(
+        raise ConfigError(
             f"DeepSeek-V2 topk_method={method!r} is not supported; "
             "expected 'greedy' or 'group_limited_greedy'."
         )

@@ -62,6 +62,5 @@ def model_config(config: dict) -> ModelConfig:
     layer_types = config.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)
     ]
-    config = {"sliding_window": 128, **config}
-    windows = decoder_config.windows_from_layer_types(config, layer_types)
+    windows = decoder_config.windows_from_layer_types(config, layer_types, default_window=128)
     return decoder_config.model_config(config, moe_spec(config), attention, sliding_windows=windows)

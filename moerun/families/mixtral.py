@@ -29,7 +29,7 @@ def moe_spec(config: dict) -> MoESpec:
 
 
 def model_config(config: dict) -> ModelConfig:
-    window = config.get("sliding_window")
+    window = decoder_config.sliding_window(config)
     n = config["num_hidden_layers"]
     return decoder_config.model_config(
         config, moe_spec(config), decoder_config.attention_spec(config), sliding_windows=[window] * n

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from moerun.activations import GLU
+from moerun.errors import ConfigError, TensorError
 from moerun.families import family
 from moerun.moe.layer import MoELayer, MoESpec, check_tensors
 from moerun.moe.routing import SoftmaxTopK
@@ -18,7 +19,7 @@ def first(config: Mapping, *keys: str):
     for key in keys:
         if config.get(key) is not None:
             return config[key]
-    raise KeyError(f"config has none of {list(keys)}")
+    raise ConfigError(f"none of {', '.join(keys)} is set.")
 
 
 def hf_glu(config: Mapping) -> GLU:
@@ -60,6 +61,10 @@ def sanitize(
         if not all(p in block_tensors for p in parts):
             continue
         loaded = [block_tensors[p].transpose(-1, -2) if p in transposed else block_tensors[p] for p in parts]
+        kinds = {(len(t.shape), tuple(t.shape[:-2]), tuple(t.shape[-1:]), t.dtype) for t in loaded}
+        if len(loaded) > 1 and (len(kinds) > 1 or len(loaded[0].shape) < 2):
+            shapes = ", ".join(f"{p} {list(t.shape)} {t.dtype}" for p, t in zip(parts, loaded, strict=True))
+            raise TensorError(f"tensors {shapes} must differ only in rows to be joined.")
         tensors[canonical] = loaded[0] if len(loaded) == 1 else torch.cat(loaded, dim=-2)
     return tensors, sources
 

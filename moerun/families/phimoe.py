@@ -1,5 +1,6 @@
 """PhiMoE: sparsemixer top-2 routing (eval mode) with `router_jitter_noise` as its epsilon."""
 
+from moerun.errors import ConfigError
 from moerun.families.moe_block import first, fused_expert_names, hf_glu
 from moerun.moe.layer import MoESpec
 from moerun.moe.routing import SparseMixer
@@ -10,7 +11,7 @@ MOE_NAMES = fused_expert_names(router="router")
 def moe_spec(config: dict) -> MoESpec:
     k = config.get("num_experts_per_tok", 2)
     if k != 2:
-        raise ValueError(
+        raise ConfigError(
             f"PhiMoE's sparsemixer routes 2 experts per token; config has num_experts_per_tok={k}."
         )
     return MoESpec(

@@ -23,7 +23,7 @@ def moe_spec(config: dict) -> MoESpec:
 def model_config(config: dict) -> ModelConfig:
     bias = bool(config.get("attention_bias"))
     attention = decoder_config.attention_spec(config, qkv_bias=bias, o_bias=bias, qk_norm="head")
-    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    window = decoder_config.sliding_window(config) if config.get("use_sliding_window") else None
     n = config["num_hidden_layers"]
     return decoder_config.model_config(
         config, moe_spec(config), attention, decoder_config.sparse_layers(config), [window] * n

@@ -3,7 +3,7 @@ sharded directories (`safetensors_file`), GGUF files (`gguf_file`), both memory-
 and parsed here without the `safetensors` or `gguf` packages; where a checkpoint is (`paths`: a local
 path or a hub id already in the Hugging Face cache, never downloaded); and `CheckpointError`."""
 
-from moerun.loader.errors import CheckpointError
+from moerun.errors import CheckpointError
 from moerun.loader.gguf_file import GGUFFile, GGUFTensorInfo
 from moerun.loader.hf_config import read_hf_config
 from moerun.loader.paths import hub_cache_dir, resolve_checkpoint

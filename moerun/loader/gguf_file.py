@@ -16,6 +16,7 @@ arrays; arrays of strings or of arrays become lists.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import struct
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerun.loader.errors import CheckpointError
+from moerun.errors import CheckpointError, GGUFMetadataError, TensorError, quote
 from moerun.loader.mapped import map_file, release_pages, view_bytes
 from moerun.quant.formats import FORMATS, FormatError, QTensor
 
@@ -85,6 +86,7 @@ QUANT_TYPES = {t: name for t, name in FORMAT_OF_TYPE.items() if not FORMATS[name
 STRING, ARRAY, BOOL = 8, 9, 7
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B"}
 SCALARS |= {10: "<Q", 11: "<q", 12: "<d"}
+_LEAST_BYTES = {t: struct.calcsize(code) for t, code in SCALARS.items()} | {STRING: 8, ARRAY: 12}
 
 
 def type_name(ggml_type: int) -> str:
@@ -133,6 +135,12 @@ class _Cursor:
             return self.string(what)
         if vtype == ARRAY:
             elem_type, count = self.unpack("<I", what), self.unpack("<Q", what)
+            least = _LEAST_BYTES.get(elem_type, 1)  # every element takes at least this many bytes
+            if count * least > len(self.buf) - self.pos:
+                raise CheckpointError(
+                    f"{self.path}: {what} is an array of {count} entries, more than the "
+                    f"{len(self.buf) - self.pos} bytes left in the file can hold."
+                )
             if elem_type in SCALARS:
                 dtype = np.dtype(SCALARS[elem_type])
                 start = self.take(count * dtype.itemsize, what)
@@ -165,18 +173,25 @@ class GGUFFile:
                 f"{self.path}: GGUF version {self.version} is not supported (moerun reads versions 2 and 3)."
             )
         n_tensors, n_kv = cursor.unpack("<Q", "the header"), cursor.unpack("<Q", "the header")
+        # a key/value pair takes at least 12 bytes, a tensor info 24: counts the file cannot hold are
+        # refused before anything loops over them
+        if n_kv * 12 + n_tensors * 24 > size - cursor.pos:
+            raise CheckpointError(
+                f"{self.path}: the header counts {n_kv} metadata keys and {n_tensors} tensors, more than "
+                f"the {size}-byte file can hold, so it is truncated or corrupt."
+            )
 
         self.metadata: dict[str, object] = {}
         for i in range(n_kv):
             key = cursor.string(f"metadata key {i} of {n_kv}")
             if key in self.metadata:
-                raise CheckpointError(f"{self.path}: metadata key {key!r} appears twice.")
-            what = f"the value of metadata key {key!r}"
+                raise CheckpointError(f"{self.path}: metadata key {quote(key)} appears twice.")
+            what = f"the value of metadata key {quote(key)}"
             self.metadata[key] = cursor.value(cursor.unpack("<I", what), what)
         self.alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if type(self.alignment) is not int or self.alignment <= 0 or self.alignment & (self.alignment - 1):
-            raise CheckpointError(
-                f"{self.path}: general.alignment is {self.alignment!r}, not a positive power of two."
+            raise GGUFMetadataError(
+                f"{self.path}: general.alignment is {quote(self.alignment)}, not a positive power of two."
             )
 
         infos = []
@@ -186,7 +201,7 @@ class GGUFFile:
             n_dims = cursor.unpack("<I", what)
             if n_dims > MAX_DIMS:
                 raise CheckpointError(
-                    f"{self.path}: tensor {name!r} has {n_dims} dims; GGUF allows at most {MAX_DIMS}."
+                    f"{self.path}: tensor {quote(name)} has {n_dims} dims; GGUF allows at most {MAX_DIMS}."
                 )
             dims = [cursor.unpack("<Q", what) for _ in range(n_dims)]
             infos.append((name, dims, cursor.unpack("<I", what), cursor.unpack("<Q", what)))
@@ -195,7 +210,12 @@ class GGUFFile:
         self._infos: dict[str, GGUFTensorInfo] = {}
         for name, dims, ggml_type, offset in infos:
             if name in self._infos:
-                raise CheckpointError(f"{self.path}: two tensors are named {name!r}.")
+                raise CheckpointError(f"{self.path}: two tensors are named {quote(name)}.")
+            if offset % self.alignment:
+                raise TensorError(
+                    f"{self.path}: tensor {quote(name)} starts at offset {offset} of the data section, "
+                    f"not a multiple of the file's alignment ({self.alignment}) as GGUF requires."
+                )
             info = GGUFTensorInfo(
                 name=name,
                 shape=tuple(reversed(dims)),
@@ -207,10 +227,21 @@ class GGUFFile:
             )
             if info.nbytes is not None and info.offset + info.nbytes > size:
                 raise CheckpointError(
-                    f"{self.path}: the file is truncated: tensor {name!r} ends at byte "
+                    f"{self.path}: the file is truncated: tensor {quote(name)} ends at byte "
                     f"{info.offset + info.nbytes} but the file has {size} bytes."
                 )
             self._infos[name] = info
+        self._check_no_overlap()
+
+    def _check_no_overlap(self) -> None:
+        """Tensors' bytes may not overlap: each is its own array in ggml's data section."""
+        spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in self._infos.values() if i.nbytes)
+        for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
+            if begin < end:
+                raise TensorError(
+                    f"{self.path}: tensors {quote(first)} and {quote(second)} overlap in the file "
+                    "(their offsets share bytes)."
+                )
 
     def tensor_names(self) -> list[str]:
         return list(self._infos)
@@ -220,7 +251,7 @@ class GGUFFile:
 
     def info(self, name: str) -> GGUFTensorInfo:
         if name not in self._infos:
-            raise CheckpointError(f"{self.path} has no tensor named {name!r}.")
+            raise CheckpointError(f"{self.path} has no tensor named {quote(name)}.")
         return self._infos[name]
 
     def raw(self, name: str) -> torch.Tensor:
@@ -232,7 +263,7 @@ class GGUFFile:
         if info.nbytes is None:
             block = GGML_TYPES[info.ggml_type][1]
             raise CheckpointError(
-                f"{self.path}: tensor {name!r} of type {info.type_name} has rows of {info.shape[-1]} "
+                f"{self.path}: tensor {quote(name)} of type {info.type_name} has rows of {info.shape[-1]} "
                 f"elements, not a multiple of its {block}-element blocks."
             )
         return self._data[info.offset : info.offset + info.nbytes]
@@ -259,14 +290,14 @@ class GGUFFile:
             try:
                 return QTensor.from_bytes(QUANT_TYPES[info.ggml_type], info.shape, raw)
             except FormatError as e:
-                raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from None
+                raise TensorError(f"{self.path}: tensor {quote(name)}: {e}") from None
         raise self._unsupported(info)
 
     def _unsupported(self, info: GGUFTensorInfo) -> CheckpointError:
         supported = [GGML_TYPES[t][0] for t in [*DENSE_TYPES, *QUANT_TYPES]]
         return CheckpointError(
-            f"{self.path}: tensor {info.name!r} has ggml type {info.type_name} ({info.ggml_type}), which "
-            f"moerun does not read; it reads {', '.join(supported)}."
+            f"{self.path}: tensor {quote(info.name)} has ggml type {info.type_name} ({info.ggml_type}), "
+            f"which moerun does not read; it reads {', '.join(supported)}."
         )
 
     def __repr__(self) -> str:

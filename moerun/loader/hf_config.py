@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from moerun.loader.errors import CheckpointError
+from moerun.errors import CheckpointError, ConfigError, quote
+from moerun.loader.json_file import read_json
 
 
 def read_hf_config(directory: Path) -> dict:
@@ -13,10 +13,10 @@ def read_hf_config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{directory}: no config.json, so this is not a Hugging Face checkpoint.")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err}).") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise CheckpointError(f"{path}: has no 'model_type', so moerun cannot tell the architecture.")
+    config = read_json(path, error=ConfigError)
+    if not isinstance(config.get("model_type"), str):
+        found = f" (it is {quote(config['model_type'])})" if "model_type" in config else ""
+        raise ConfigError(
+            f"{path}: has no 'model_type' string{found}, so moerun cannot tell the architecture."
+        )
     return config

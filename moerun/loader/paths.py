@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from moerun.loader.errors import CheckpointError
+from moerun.errors import CheckpointError
 from moerun.settings import Settings, settings
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

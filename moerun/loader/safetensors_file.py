@@ -11,7 +11,7 @@ of the mapped bytes, read from disk when first touched.
 
 from __future__ import annotations
 
-import json
+import itertools
 import math
 import os
 import struct
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from moerun.loader.errors import CheckpointError
+from moerun.errors import CheckpointError, TensorError, quote
+from moerun.loader.json_file import parse_json, read_json
 from moerun.loader.mapped import map_file, release_pages, view_bytes
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors package's own limit
@@ -61,12 +62,13 @@ class SafetensorsFile:
         for name, entry in header.items():
             dtype, shape, begin, end = self._check_entry(name, entry)
             self._entries[name] = (dtype, shape, data_start + begin, data_start + end)
+        self._check_no_overlap()
         cut = [name for name, entry in self._entries.items() if entry[3] > size]
         if cut:
             first = min(cut, key=lambda name: self._entries[name][2])
             more = f" (and {len(cut) - 1} more)" if len(cut) > 1 else ""
             raise CheckpointError(
-                f"{self.path}: the file is truncated: tensor {first!r}{more} ends at byte "
+                f"{self.path}: the file is truncated: tensor {quote(first)}{more} ends at byte "
                 f"{self._entries[first][3]} but the file has {size} bytes."
             )
         self._data = map_file(self.path)
@@ -90,51 +92,58 @@ class SafetensorsFile:
                     "so the file is truncated or not a safetensors file."
                 )
             raw = f.read(n)
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{self.path}: the safetensors header is not valid JSON ({e}).") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(
-                f"{self.path}: the safetensors header is a JSON {type(header).__name__}, not an object."
-            )
-        return header, 8 + n
+        # the format forbids a name twice: a second entry would silently win
+        return parse_json(raw, f"{self.path}: the safetensors header", unique_keys=True), 8 + n
 
     def _check_metadata(self, metadata: object) -> dict[str, str]:
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise CheckpointError(
-                f"{self.path}: '__metadata__' must map strings to strings, got {metadata!r}."
+                f"{self.path}: '__metadata__' must map strings to strings, got {quote(metadata)}."
             )
         return metadata
 
     def _check_entry(self, name: str, entry: object) -> tuple[torch.dtype, tuple[int, ...], int, int]:
-        where = f"{self.path}: tensor {name!r}"
+        where = f"{self.path}: tensor {quote(name)}"
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-            raise CheckpointError(f"{where} needs 'dtype', 'shape' and 'data_offsets', got {entry!r}.")
+            raise CheckpointError(f"{where} needs 'dtype', 'shape' and 'data_offsets', got {quote(entry)}.")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
-            raise CheckpointError(f"{where} has dtype {dtype!r}; moerun reads {', '.join(DTYPES)}.")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise CheckpointError(f"{where} has shape {shape!r}, not a list of non-negative integers.")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise CheckpointError(f"{where} has dtype {quote(dtype)}; moerun reads {', '.join(DTYPES)}.")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CheckpointError(f"{where} has shape {quote(shape)}, not a list of non-negative integers.")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
-            or not all(isinstance(o, int) for o in offsets)
+            or not all(type(o) is int for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]
         ):
-            raise CheckpointError(f"{where} has data_offsets {offsets!r}, not [begin, end] with begin<=end.")
+            raise CheckpointError(
+                f"{where} has data_offsets {quote(offsets)}, not [begin, end] with 0 <= begin <= end."
+            )
         torch_dtype = DTYPES[dtype]
         expected = math.prod(shape) * torch_dtype.itemsize
         if offsets[1] - offsets[0] != expected:
             raise CheckpointError(
-                f"{where} of dtype {dtype} and shape {shape} needs {expected} bytes, "
-                f"but its data_offsets {offsets} span {offsets[1] - offsets[0]}."
+                f"{where} of dtype {dtype} and shape {quote(shape)} needs {quote(expected)} bytes, "
+                f"but its data_offsets {quote(offsets)} span {quote(offsets[1] - offsets[0])}."
             )
         return torch_dtype, tuple(shape), offsets[0], offsets[1]
 
+    def _check_no_overlap(self) -> None:
+        """Tensors' bytes may not overlap (the format forbids it: one write would change two)."""
+        spans = sorted(
+            (begin, end, name) for name, (_, _, begin, end) in self._entries.items() if end > begin
+        )
+        for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
+            if begin < end:
+                raise TensorError(
+                    f"{self.path}: tensors {quote(first)} and {quote(second)} overlap in the file "
+                    "(their data_offsets share bytes), which the safetensors format forbids."
+                )
+
     def _entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
         if name not in self._entries:
-            raise CheckpointError(f"{self.path} has no tensor named {name!r}.")
+            raise CheckpointError(f"{self.path} has no tensor named {quote(name)}.")
         return self._entries[name]
 
     def names(self) -> list[str]:
@@ -200,12 +209,13 @@ class SafetensorsCheckpoint:
 
     @staticmethod
     def _read_index(index: Path) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a JSON object with a 'weight_map' ({e!r}).") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names.")
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) and f == Path(f).name for f in weight_map.values()
+        ):
+            raise CheckpointError(
+                f"{index}: 'weight_map' must map tensor names to the names of shard files beside it."
+            )
         shards: dict[str, SafetensorsFile] = {}
         where: dict[str, SafetensorsFile] = {}
         for name, file_name in weight_map.items():
@@ -213,19 +223,21 @@ class SafetensorsCheckpoint:
                 shard_path = index.parent / file_name
                 if not shard_path.is_file():
                     raise CheckpointError(
-                        f"{index}: shard {file_name!r} (holding tensor {name!r}) is not in {index.parent}."
+                        f"{index}: shard {quote(file_name)} (holding tensor {quote(name)}) is not in "
+                        f"{index.parent}."
                     )
                 shards[file_name] = SafetensorsFile(shard_path)
             if name not in shards[file_name]:
                 raise CheckpointError(
-                    f"{index}: names tensor {name!r} in shard {file_name!r}, which has no such tensor."
+                    f"{index}: names tensor {quote(name)} in shard {quote(file_name)}, which has no "
+                    "such tensor."
                 )
             where[name] = shards[file_name]
         return [shards[file_name] for file_name in sorted(shards)], where
 
     def _file(self, name: str) -> SafetensorsFile:
         if name not in self._where:
-            raise CheckpointError(f"{self.path} has no tensor named {name!r}.")
+            raise CheckpointError(f"{self.path} has no tensor named {quote(name)}.")
         return self._where[name]
 
     def names(self) -> list[str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moerun.activations import GLU, Activation
+from moerun.errors import TensorError, shorten
 from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, Backend, KernelOptions, get_backend
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
@@ -71,8 +72,8 @@ class MoESpec:
         return shapes
 
 
-class StateDictError(ValueError):
-    """Tensors that do not fit a layer's spec."""
+class StateDictError(TensorError):
+    """Tensors that do not fit a layer's spec (or a model's config)."""
 
 
 # kept in fp32 whatever the compute dtype: routing runs in fp32
@@ -329,7 +330,8 @@ def tensor_problems(
     lists longer than `limit` are cut short."""
 
     def label(key: str) -> str:
-        return f"{key} ({sources[key]})" if sources and sources.get(key, key) != key else key
+        source = sources.get(key, key) if sources else key
+        return shorten(key, 80) + (f" ({shorten(source, 80)})" if source != key else "")
 
     def listed(names: list[str]) -> str:
         if limit is not None and len(names) > limit:
@@ -337,12 +339,14 @@ def tensor_problems(
         return ", ".join(names)
 
     missing = [label(key) for key in expected if key not in tensors]
-    unexpected = [key for key in tensors if key not in expected]
+    unexpected = [shorten(key, 80) for key in tensors if key not in expected]
     misshaped = [
         f"{label(key)} is {tuple(tensors[key].shape)}, expected {shape}"
         for key, shape in expected.items()
         if key in tensors and tuple(tensors[key].shape) != shape
     ]
+    if limit is not None and len(misshaped) > limit:
+        misshaped = [*misshaped[:limit], f"... ({len(misshaped) - limit} more)"]
     not_float = [
         label(key)
         for key in expected

@@ -6,13 +6,14 @@ text one id at a time.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
+from moerun.errors import TokenizerError, quote, shorten
+from moerun.loader.json_file import read_json
 from moerun.text.chat_template import no_template_error, render_chat
 from moerun.text.gguf_vocab import read_gguf_vocab
 
@@ -92,39 +93,43 @@ class Tokenizer:
                 "sentencepiece tokenizer.model alone is not enough: `transformers` can convert it, "
                 "`AutoTokenizer.from_pretrained(dir).save_pretrained(dir)`)."
             )
-        backend = Backend.from_file(str(path))
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as err:  # the tokenizers library raises a plain Exception
+            raise TokenizerError(
+                f"{path}: the tokenizers library cannot read it ({shorten(str(err), 150)})."
+            ) from None
         config = _read_json(directory / "tokenizer_config.json")
         generation = _read_json(directory / "generation_config.json")
 
         # Tokens the config declares (transformers adds them to the backend if it lacks them).
-        declared = [
-            AddedToken(
-                entry["content"],
-                single_word=entry.get("single_word", False),
-                lstrip=entry.get("lstrip", False),
-                rstrip=entry.get("rstrip", False),
-                normalized=entry.get("normalized", not entry.get("special", False)),
-                special=entry.get("special", False),
-            )
-            for _, entry in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0]))
-        ]
+        declared = _declared_tokens(config, directory / "tokenizer_config.json")
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
         if isinstance(extra, dict):
             extra = list(extra.values())
-        declared += [AddedToken(_token_text(t), special=True, normalized=False) for t in extra]
+        extra = [_token_text(t) for t in extra] if isinstance(extra, list) else []
+        declared += [AddedToken(t, special=True, normalized=False) for t in extra if t is not None]
         present = {token.content for token in backend.get_added_tokens_decoder().values()}
         backend.add_tokens([t for t in declared if t.content not in present and not t.special])
         backend.add_special_tokens([t for t in declared if t.content not in present and t.special])
 
         special = {name: _token_text(config.get(name)) for name in NAMED_SPECIAL_TOKENS}
         eos_ids = generation.get("eos_token_id")
-        eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
+        eos_ids = [] if eos_ids is None else eos_ids if isinstance(eos_ids, list) else [eos_ids]
+        if not all(type(i) is int and 0 <= i < 2**31 for i in eos_ids):
+            where, found = directory / "generation_config.json", quote(generation["eos_token_id"])
+            raise TokenizerError(f"{where}: eos_token_id is {found}, not a token id or a list of them.")
         template_file = directory / "chat_template.jinja"
         template = config.get("chat_template")
         if template_file.is_file():
             template = template_file.read_text(encoding="utf-8")
         elif isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            template = {t["name"]: t["template"] for t in template}.get("default")
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(
+                f"{directory / 'tokenizer_config.json'}: chat_template is {quote(template)}, not a template."
+            )
         return cls(backend, special=special, eos_ids=eos_ids, chat_template=template, source=str(directory))
 
     @classmethod
@@ -133,8 +138,11 @@ class Tokenizer:
         ValueError naming the tokenizer kind or pre-tokenizer if it is not one moerun rebuilds."""
         try:
             vocab = read_gguf_vocab(metadata)
-        except ValueError as e:
-            raise ValueError(f"{source}: {e}") from e
+        except Exception as e:  # the vocabulary's arrays are the file's, of any type and length
+            detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            raise TokenizerError(
+                f"{source}: the GGUF vocabulary cannot be rebuilt: {shorten(detail, 200)}"
+            ) from e
         return cls(
             vocab.backend,
             special={
@@ -267,7 +275,32 @@ def _token_text(value) -> str | None:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(path, dict, TokenizerError) if path.is_file() else {}
+
+
+def _declared_tokens(config: dict, path: Path) -> list[AddedToken]:
+    """The tokens tokenizer_config.json's `added_tokens_decoder` declares, in id order."""
+    table = config.get("added_tokens_decoder") or {}
+    if not isinstance(table, dict):
+        raise TokenizerError(f"{path}: added_tokens_decoder is {quote(table)}, not an object.")
+    tokens = []
+    for key, entry in table.items():
+        if not key.isdigit() or not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+            raise TokenizerError(
+                f"{path}: added_tokens_decoder entry {quote(key)} is {quote(entry)}, not an id and an "
+                'object with a "content" string.'
+            )
+        flags = {f: entry.get(f) for f in ("single_word", "lstrip", "rstrip", "normalized", "special")}
+        if not all(v is None or isinstance(v, bool) for v in flags.values()):
+            raise TokenizerError(f"{path}: added_tokens_decoder entry {quote(key)} has flags {quote(flags)}.")
+        special = bool(flags["special"])
+        token = AddedToken(
+            entry["content"],
+            single_word=bool(flags["single_word"]),
+            lstrip=bool(flags["lstrip"]),
+            rstrip=bool(flags["rstrip"]),
+            normalized=not special if flags["normalized"] is None else flags["normalized"],
+            special=special,
+        )
+        tokens.append((int(key), token))
+    return [token for _, token in sorted(tokens, key=lambda kv: kv[0])]

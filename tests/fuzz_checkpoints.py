@@ -23,13 +23,14 @@ outcome is the worst of the two:
   every weight is finite and at most WEIGHT_BOUND in magnitude;
 - written: a file beside the inputs created, changed or removed.
 
-    python tests/fuzz_checkpoints.py --cases 3000 --seed 0 --workers 2 --out summary.json
+    python tests/fuzz_checkpoints.py --cases 3000 --seed 0 --workers 2 --out summary.json [--mix]
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import hashlib
 import json
 import os
@@ -57,6 +58,7 @@ WEIGHT_BOUND = 1e3  # weights larger than this may overflow fp32 honestly
 MEMORY_LIMIT = 4 << 30  # bytes a case may map beyond the worker's own size
 TIMEOUT_S = 20.0
 TOKENS = 4
+STREAM_GB = 0.01  # the expert cache of a streamed case: a few of the seeds' experts per layer
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
 
 # ---------------------------------------------------------------------------------------------
@@ -414,22 +416,35 @@ _HF_ONLY = {"edit_json_file", "edit_safetensors_header"}
 _GGUF_ONLY = {"edit_gguf_field", "retype_gguf_key"}
 
 
-def make_case(seeds: dict[str, Path], seed: int, index: int, root: Path) -> dict:
-    """Case `index` of run `seed`: a mutated copy of one seed under root/<index>."""
+def make_case(seeds: dict[str, Path], seed: int, index: int, root: Path, mix: bool = False) -> dict:
+    """Case `index` of run `seed`: a mutated copy of one seed under root/<index>. `mix`: a third of
+    the cases get two mutations, and each is run in bf16 or fp32, resident or streamed (its experts
+    through a small expert cache), as chosen; without it, one mutation, fp32, resident."""
     rng = random.Random(f"{seed}-{index}")
     name = rng.choice(sorted(seeds))
     source = seeds[name]
     gguf_seed = source.suffix == ".gguf"
     allowed = [m for m in MUTATORS if m not in (_HF_ONLY if gguf_seed else _GGUF_ONLY)]
-    mutator = rng.choices(allowed, [MUTATORS[m][1] for m in allowed])[0]
     case = root / f"{index:05d}"
     shutil.copytree(source.parent if gguf_seed else source, case)
-    try:
-        what = MUTATORS[mutator][0](rng, case)
-    except Exception as err:  # a mutation the seed does not allow: the case is the seed as is
-        what = f"{mutator} failed ({type(err).__name__}: {err!s:.60}); left as is"
+    done = []
+    for _ in range(rng.choice([1, 1, 2]) if mix else 1):
+        mutator = rng.choices(allowed, [MUTATORS[m][1] for m in allowed])[0]
+        try:
+            done.append(MUTATORS[mutator][0](rng, case))
+        except Exception as err:  # a mutation the seed does not allow: the case is the seed as is
+            done.append(f"{mutator} failed ({type(err).__name__}: {err!s:.60}); left as is")
+    options = {"dtype": rng.choice(["float32", "bfloat16"]), "streamed": rng.random() < 0.3} if mix else {}
     path = case / source.name if gguf_seed else case
-    return {"index": index, "seed": name, "mutation": what, "path": str(path), "dir": str(case)}
+    what = "; ".join(done)
+    return {
+        "index": index,
+        "seed": name,
+        "mutation": what,
+        "path": str(path),
+        "dir": str(case),
+        "options": options,
+    }
 
 
 def snapshot(directory: Path) -> dict[str, str]:
@@ -507,12 +522,12 @@ def _weights_finite(path: Path) -> bool:
         return False
 
 
-def _load_and_logits(path: Path) -> None:
+def _load_and_logits(path: Path, dtype: str = "float32", streamed: bool = False) -> None:
     import torch
 
     import moerun
 
-    model = moerun.load(path, dtype=torch.float32)
+    model = moerun.load(path, dtype=getattr(torch, dtype), expert_cache_gb=STREAM_GB if streamed else None)
     ids = torch.arange(min(TOKENS, model.config.max_positions))[None] % model.config.vocab_size
     try:
         logits = model.logits(ids)
@@ -530,15 +545,17 @@ def _inspect(path: Path) -> None:
     inspect.run(argparse.Namespace(path=str(path), json=False))
 
 
-def run_case(path: str) -> dict:
-    """Both runs of one case, each classified; `outcome` is the worse."""
+def run_case(path: str, **options) -> dict:
+    """Both runs of one case, each classified; `outcome` is the worse. `options` go to the load
+    (`dtype`, `streamed`)."""
     import warnings
 
     path_ = Path(path)
     directory = path_ if path_.is_dir() else path_.parent
     names = [str(directory)] + [p.name for p in directory.iterdir()]
     result = {}
-    for step, fn in (("load", _load_and_logits), ("inspect", _inspect)):
+    load = functools.partial(_load_and_logits, **options)
+    for step, fn in (("load", load), ("inspect", _inspect)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -578,10 +595,12 @@ def serve(warm: list[str]) -> None:
     torch.set_num_threads(1)
     for path in warm:  # the first load of each kind builds and imports what later ones reuse
         run_case(path)
+        run_case(path, dtype="bfloat16", streamed=True)
     out.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
-        out.write(json.dumps(_fork_case(request["path"], request["timeout"])) + "\n")
+        case = functools.partial(run_case, **request["options"])
+        out.write(json.dumps(_fork_case(request["path"], request["timeout"], case)) + "\n")
 
 
 def _fork_case(path: str, timeout: float, case=run_case) -> dict:
@@ -642,8 +661,9 @@ class Worker:
         if not ready:
             raise RuntimeError("the fuzz worker did not start")
 
-    def run(self, path: str, timeout: float) -> dict:
-        self.proc.stdin.write(json.dumps({"path": path, "timeout": timeout}) + "\n")
+    def run(self, path: str, timeout: float, options: dict | None = None) -> dict:
+        request = {"path": path, "timeout": timeout, "options": options or {}}
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
@@ -660,9 +680,10 @@ def fuzz(
     timeout: float = TIMEOUT_S,
     start: int = 0,
     keep: Path | None = None,
+    mix: bool = False,
 ) -> list[dict]:
-    """Run cases start .. start+cases-1 of run `seed`; one record per case (its mutation and outcome).
-    Cases with a bad outcome are kept under `keep`, when given."""
+    """Run cases start .. start+cases-1 of run `seed` (`mix`: see make_case); one record per case
+    (its mutation and outcome). Cases with a bad outcome are kept under `keep`, when given."""
     root = Path(tempfile.mkdtemp(prefix="moerun-fuzz-"))
     todo: queue.Queue = queue.Queue()
     for index in range(start, start + cases):
@@ -678,9 +699,9 @@ def fuzz(
             except queue.Empty:
                 return
             with lock:
-                case = make_case(seeds, seed, index, root)
+                case = make_case(seeds, seed, index, root, mix)
             before = snapshot(Path(case["dir"]))
-            result = worker.run(case["path"], timeout)
+            result = worker.run(case["path"], timeout, case["options"])
             if snapshot(Path(case["dir"])) != before:
                 result["outcome"] = "written"
             record = {**case, **result}
@@ -731,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds-dir", type=Path, default=None, help="reuse or build the seeds here")
     parser.add_argument("--keep", type=Path, default=None, help="copy cases with a bad outcome here")
     parser.add_argument("--out", type=Path, default=None, help="write every record and the summary (JSON)")
+    parser.add_argument(
+        "--mix", action="store_true", help="two mutations in some cases; bf16 and streamed loads too"
+    )
     parser.add_argument("--serve", nargs="*", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve is not None:
@@ -741,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    records = fuzz(seeds, args.cases, args.seed, args.workers, args.timeout, args.start, args.keep)
+    records = fuzz(seeds, args.cases, args.seed, args.workers, args.timeout, args.start, args.keep, args.mix)
     summary = summarise(records)
     summary["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(summary, indent=1))

@@ -1,8 +1,9 @@
-"""The checkpoint fuzz (fuzz_checkpoints.py) as tests: every mutated seed, through `moerun.load(...)
-.logits(...)` and `moerun inspect` in a child with a timeout and a memory limit, either runs or
-fails with one clear CheckpointError naming its file. Any raw exception, vague error, hang,
-allocation past the limit, crash, NaN from finite weights or write beside the inputs fails here,
-with the cases listed (rebuild one with `make_case(seeds, seed, index, dir)`)."""
+"""The checkpoint fuzz (fuzz_checkpoints.py) as tests: every mutated seed (one or two mutations;
+fp32 or bf16, resident or streamed: `mix`), through `moerun.load(...).logits(...)` and `moerun
+inspect` in a child with a timeout and a memory limit, either runs or fails with one clear
+CheckpointError naming its file. Any raw exception, vague error, hang, allocation past the limit,
+crash, NaN from finite weights or write beside the inputs fails here, with the cases listed
+(rebuild one with `make_case(seeds, seed, index, dir, mix=True)`)."""
 
 import os
 import signal
@@ -38,12 +39,12 @@ def _check(records: list[dict]) -> None:
 
 
 def test_fuzzed_checkpoints_fail_clearly_or_run(seeds):
-    _check(fuzz(seeds, cases=300, seed=0, workers=2))
+    _check(fuzz(seeds, cases=300, seed=0, workers=2, mix=True))
 
 
 @pytest.mark.slow
 def test_fuzzed_checkpoints_fail_clearly_or_run_many(seeds):
-    _check(fuzz(seeds, cases=3000, seed=1, workers=2))
+    _check(fuzz(seeds, cases=3000, seed=1, workers=2, mix=True))
 
 
 def test_the_unmutated_seeds_run(seeds):

@@ -100,3 +100,61 @@ def test_reuse_prefix_computes_only_the_new_tokens_and_changes_no_greedy_token(c
     # without reuse_prefix nothing is kept or reused
     list(model.generate(third, max_new_tokens=2))
     assert model.stats()["reused_tokens"] == 0 and model.generator.prefix is None
+
+
+def test_logprobs_are_transformers_log_softmax(checkpoint):
+    path, hf_model = checkpoint
+    model = moerun.load(path, dtype=torch.float32)
+    prompt = [5, 9, 17, 3, 40]
+    tokens = list(model.generate(prompt, max_new_tokens=6, logprobs=4))
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + [t.id for t in tokens]])).logits[0].float()
+    expected = logits[len(prompt) - 1 : -1].log_softmax(-1)  # [6, V]: position i predicts token i + 1
+    for i, token in enumerate(tokens):
+        assert token.logprob == pytest.approx(float(expected[i, token.id]), abs=1e-4)
+        top = expected[i].topk(4)
+        assert [id_ for id_, _ in token.top_logprobs] == top.indices.tolist()
+        torch.testing.assert_close(
+            torch.tensor([lp for _, lp in token.top_logprobs]), top.values, atol=1e-4, rtol=0
+        )
+    assert all(t.logprob is None and t.top_logprobs == () for t in model.generate(prompt, 2))
+
+
+def test_max_new_tokens_none_runs_to_the_context_end(checkpoint):
+    path, _ = checkpoint
+    model = moerun.load(path, dtype=torch.float32)
+    eos = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
+    prompt = [t for t in range(10, 20) if t not in eos]
+    tokens = list(model.generate(prompt, None, ctx_size=30))
+    stats = model.stats()
+    if stats["finish_reason"] == "context":
+        assert len(prompt) + len(tokens) == 30 and not eos & {t.id for t in tokens}
+    else:
+        assert stats["finish_reason"] == "stop" and tokens[-1].id in eos
+    assert [t.id for t in tokens] == [t.id for t in model.generate(prompt, -1, ctx_size=30)]
+    tokens = list(model.generate(prompt, 4, ctx_size=30))
+    assert model.stats()["finish_reason"] in ("length", "stop") and len(tokens) <= 4
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda m: m.generate(["Hi", "Hello"]), TypeError, "one prompt"),
+        (lambda m: m.generate(3.5), TypeError, "not float"),
+        (lambda m: m.generate(torch.tensor([[1, 2]])), TypeError, "1-D"),
+        (lambda m: m.generate([1, 2], repeat_penalty=1.1), TypeError, "repetition_penalty"),
+        (lambda m: m.generate([1, 2], temprature=0.5), TypeError, "'temperature'"),
+        (lambda m: m.generate([1, 2], max_new_tokens=-3), ValueError, "max_new_tokens"),
+        (lambda m: m.generate([1, 2], top_p="high"), ValueError, "top_p"),
+        (lambda m: m.generate([1, 2], ctx_size=1), ValueError, "do not fit a context of 1"),
+        (lambda m: m.logits("Hello"), TypeError, "tokenizer.encode"),
+        (lambda m: m.logits(torch.tensor([[0.5, 1.0]])), TypeError, "integer token ids"),
+        (lambda m: m.logits([[1, 2], [3]]), TypeError, "token ids"),
+    ],
+)
+def test_api_misuse_is_one_sentence(checkpoint, call, error, words):
+    """Refused when called, before any token is asked for."""
+    model = moerun.load(checkpoint[0], dtype=torch.float32)
+    with pytest.raises(error, match=words) as raised:
+        call(model)
+    assert str(raised.value).count(". ") == 0 and str(raised.value).endswith((".", "?"))

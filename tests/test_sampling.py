@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from moerun.generate import Sampler, SamplingParams, filtered_logits, penalise_repeats
+from moerun.sampling import Sampler, SamplingParams, check_sampling, filtered_logits, penalise_repeats
 
 SETTINGS = [
     dict(temperature=0.7),
@@ -86,3 +86,21 @@ def test_sampled_frequencies_follow_the_distribution():
 def test_bad_settings_are_refused_by_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_unknown_option_names_the_closest_and_the_options():
+    with pytest.raises(TypeError, match=r"'repeat_penalty' \(did you mean 'repetition_penalty'\?\).*seed"):
+        SamplingParams.from_options(repeat_penalty=1.1)
+    assert SamplingParams.from_options(top_k=3, temperature=1.0) == SamplingParams(temperature=1.0, top_k=3)
+
+
+def test_check_sampling_names_options_as_the_caller_calls_them():
+    with pytest.raises(ValueError, match=r"^--top-p must be a number in \(0, 1\]"):
+        check_sampling({"top_p": 1.5}, {"top_p": "--top-p"})
+    with pytest.raises(ValueError, match="top_k must be an integer"):
+        SamplingParams(top_k=2.5)
+
+
+def test_greedy_names_the_options_it_does_not_use():
+    assert SamplingParams(top_k=5, seed=2, repetition_penalty=1.2).unused() == ["top_k", "seed"]
+    assert SamplingParams(temperature=0.7, top_k=5).unused() == []

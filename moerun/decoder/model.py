@@ -249,8 +249,19 @@ class MoEModel:
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids LongTensor [B, T] -> logits fp32 [B, T, vocab], with a fresh cache; prefill in chunks."""
-        ids = torch.as_tensor(ids)
+        """ids LongTensor [B, T] (or [T], or lists of ints) -> logits fp32 [B, T, vocab], with a
+        fresh cache; prefill in chunks."""
+        if isinstance(ids, str) or (isinstance(ids, Sequence) and any(isinstance(i, str) for i in ids)):
+            raise TypeError("logits takes token ids, not text: encode it first with model.tokenizer.encode.")
+        try:
+            ids = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError("logits takes token ids: a LongTensor [B, T] or [T], or lists of ints.") from None
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool or ids.dim() not in (1, 2):
+            raise TypeError(
+                f"logits takes integer token ids of shape [B, T] or [T], "
+                f"not {ids.dtype} of shape {list(ids.shape)}."
+            )
         if ids.dim() == 1:
             ids = ids[None]
         self.check_ids(ids)
@@ -261,8 +272,11 @@ class MoEModel:
         ]
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, **options) -> Iterator[Token]:
-        """Yield up to `max_new_tokens` new tokens after `prompt` (see moerun.generate.Generator)."""
+    def generate(
+        self, prompt: str | Sequence[int], max_new_tokens: int | None = 128, **options
+    ) -> Iterator[Token]:
+        """Yield up to `max_new_tokens` new tokens (None: until the context ends) after `prompt`;
+        options: sampling, stop strings, logprobs, ctx_size (see moerun.generate.Generator)."""
         return self.generator.generate(prompt, max_new_tokens, **options)
 
     def stats(self) -> dict:

@@ -1,5 +1,6 @@
 """`moerun generate` and `moerun chat` on a tiny model saved with a real tokenizer and template."""
 
+import io
 import json
 
 import pytest
@@ -24,9 +25,9 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _generate(checkpoint, capsys, *extra):
+def _generate(checkpoint, capsys, *extra, expect=0):
     args = ["generate", "--model", str(checkpoint), "--prompt", "hello café", "--dtype", "fp32", *extra]
-    assert main(args) == 0
+    assert main(args) == expect
     return capsys.readouterr()
 
 
@@ -55,17 +56,20 @@ def test_generate_chat_flag_uses_the_template(checkpoint, capsys):
 
 
 class Args:
-    model, system, max_tokens = "tiny", None, 6
+    command, model, system, max_tokens, ctx_size = "chat", "tiny", None, 6, None
     temperature, top_k, top_p, min_p, repeat_penalty, seed, stop = 0.0, 0, 1.0, 0.0, 1.0, None, []
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
 
 
 def test_chat_keeps_the_conversation_and_survives_ctrl_c(checkpoint, capsys):
     model = moerun.load(checkpoint, dtype=torch.float32)
     prompts, real_generate = [], model.generate
 
-    def spy(prompt, **kw):  # the second reply is interrupted after one token
+    def spy(prompt, max_new_tokens=None, **kw):  # the second reply is interrupted after one token
         prompts.append(prompt)
-        for i, token in enumerate(real_generate(prompt, **kw)):
+        for i, token in enumerate(real_generate(prompt, max_new_tokens, **kw)):
             if len(prompts) == 2 and i == 1:
                 raise KeyboardInterrupt
             yield token
@@ -104,3 +108,147 @@ def test_chat_without_a_template_is_refused(tmp_path):
     with pytest.raises(ChatTemplateError):
         run_chat(model, Args(), lambda _: "hello")
     assert main(["chat", "--model", str(tmp_path), "--dtype", "fp32"]) == 2
+
+
+def _lines(read_lines):
+    lines = iter(read_lines)
+
+    def read(_prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    return read
+
+
+def _recording(model):
+    prompts, real_generate = [], model.generate
+
+    def spy(prompt, max_new_tokens=None, **kw):
+        prompts.append(prompt)
+        return real_generate(prompt, max_new_tokens, **kw)
+
+    model.generate = spy
+    return prompts
+
+
+def test_chat_reset_and_help(checkpoint, capsys):
+    model = moerun.load(checkpoint, dtype=torch.float32)
+    prompts = _recording(model)
+    read = _lines(["hi there", "/help", "/reset", "again"])
+    assert run_chat(model, Args(system="be brief"), read) == 0
+    assert prompts[1] == model.tokenizer.encode_chat(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "again"}]
+    )
+    err = capsys.readouterr().err
+    assert "/reset" in err and "/exit" in err and "reset" in err.splitlines()[-2]
+
+
+def test_chat_keeps_going_when_the_context_is_full(checkpoint, capsys):
+    """A context that holds about two turns (each is ~50 tokens with the template): the oldest
+    turns are dropped, the user is told, and every prompt leaves room for a reply."""
+    model = moerun.load(checkpoint, dtype=torch.float32)
+    prompts = _recording(model)
+    turns = ["tell me a story", "and then what happened", "why", "go on", "the end?"]
+    ctx = 2 * len(model.tokenizer.encode_chat([{"role": "user", "content": turns[1]}])) + 8
+    assert run_chat(model, Args(ctx_size=ctx, max_tokens=8), _lines(turns)) == 0
+    assert len(prompts) == len(turns)
+    assert all(len(p) <= ctx - 8 for p in prompts)
+    last = model.tokenizer.decode(prompts[-1])
+    assert turns[-1] in last and turns[0] not in last
+    assert "oldest" in capsys.readouterr().err
+
+
+def _json(checkpoint, capsys, *flags):
+    return json.loads(_generate(checkpoint, capsys, "--json", *flags).out)
+
+
+def test_finish_reason_length_and_context(checkpoint, capsys):
+    record = _json(checkpoint, capsys, "-n", "3")
+    assert record["finish_reason"] == "length" and len(record["ids"]) == 3
+    prompt = moerun.load(checkpoint, dtype=torch.float32).tokenizer.encode("hello café")
+    record = _json(checkpoint, capsys, "-n", "-1", "-c", str(len(prompt) + 5))
+    assert record["finish_reason"] == "context" and len(record["ids"]) == 5
+    assert record["stats"]["finish_reason"] == "context"
+
+
+def test_max_tokens_minus_one_runs_to_the_end_of_the_context(checkpoint, capsys):
+    model = moerun.load(checkpoint, dtype=torch.float32)
+    out = _generate(checkpoint, capsys, "-n", "-1")
+    ids = [t.id for t in model.generate("hello café", None)]
+    assert len(model.tokenizer.encode("hello café")) + len(ids) == model.config.max_positions
+    assert out.out == model.tokenizer.decode(ids) + "\n"
+    assert "context of 256 positions is full" in out.err
+
+
+def test_after_a_stop_string_ids_and_text_agree(checkpoint, capsys):
+    model = moerun.load(checkpoint, dtype=torch.float32)
+    full = [t.id for t in model.generate("hello café", 30)]
+    text = model.tokenizer.decode(full)
+    checked = 0
+    for cut in range(2, len(text) - 3, 3):  # stop strings starting all over the text, many across tokens
+        stop = text[cut : cut + 3]
+        record = _json(checkpoint, capsys, "-n", "30", "--stop", stop)
+        assert record["finish_reason"] == "stop" and record["text"] == text[: text.index(stop)]
+        decoded = model.tokenizer.decode(record["ids"])
+        assert record["ids"] == full[: len(record["ids"])]
+        # the ids decode to the text, then at most the part of the stop string inside the last token
+        assert decoded.startswith(record["text"])
+        assert stop.startswith(decoded[len(record["text"]) :]) and len(decoded) < text.index(stop) + len(stop)
+        checked += 1
+    assert checked >= 5
+
+
+def test_ctrl_c_in_generate_prints_the_figures_and_exits_130(checkpoint, capsys, monkeypatch):
+    real_generate = moerun.MoEModel.generate
+
+    def interrupted(self, prompt, max_new_tokens=128, **options):
+        for i, token in enumerate(real_generate(self, prompt, max_new_tokens, **options)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield token
+
+    monkeypatch.setattr(moerun.MoEModel, "generate", interrupted)
+    out = _generate(checkpoint, capsys, "-n", "10", expect=130)
+    model = moerun.load(checkpoint, dtype=torch.float32)
+    expected = "".join(t.text for t in list(real_generate(model, "hello café", 10))[:3])
+    assert out.out == expected + "\n"
+    assert "Traceback" not in out.err and "[stopped]" in out.err and "generated" in out.err
+    record = json.loads(_generate(checkpoint, capsys, "-n", "10", "--json", expect=130).out)
+    assert record["finish_reason"] == "interrupted" and len(record["ids"]) == 3
+
+
+def test_prompt_from_a_file_and_stdin(checkpoint, capsys, tmp_path, monkeypatch):
+    expected = _generate(checkpoint, capsys, "-n", "6").out
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello café", encoding="utf-8")
+    args = ["generate", "-m", str(checkpoint), "--dtype", "fp32", "-n", "6"]
+    assert main([*args, "-f", str(prompt)]) == 0
+    assert capsys.readouterr().out == expected
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello café"))
+    assert main([*args, "-f", "-"]) == 0
+    assert capsys.readouterr().out == expected
+
+
+def test_prompt_ids_without_a_tokenizer(tmp_path, capsys):
+    save_model(make_model("olmoe"), tmp_path)
+    args = ["generate", "-m", str(tmp_path), "--dtype", "fp32", "-n", "5", "--json"]
+    assert main([*args, "--prompt-ids", "1,2,3"]) == 0
+    ids = [t.id for t in moerun.load(tmp_path, dtype=torch.float32).generate([1, 2, 3], 5)]
+    assert json.loads(capsys.readouterr().out)["ids"] == ids
+    assert main([*args, "-p", "hello"]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the "loaded" line
+    assert "no tokenizer" in last and "--prompt-ids" in last and "Traceback" not in err
+
+
+def test_json_logprobs(checkpoint, capsys):
+    record = _json(checkpoint, capsys, "-n", "4", "--logprobs", "3")
+    model = moerun.load(checkpoint, dtype=torch.float32)
+    prompt = model.tokenizer.encode("hello café")
+    logits = model.logits(torch.tensor([prompt + record["ids"]]))[0, len(prompt) - 1 : -1].log_softmax(-1)
+    for i, entry in enumerate(record["logprobs"]):
+        assert entry["id"] == record["ids"][i] and entry["token"] == model.tokenizer.id_to_token(entry["id"])
+        assert entry["logprob"] == pytest.approx(float(logits[i, entry["id"]]), abs=1e-4)
+        assert [t["id"] for t in entry["top_logprobs"]] == logits[i].topk(3).indices.tolist()

@@ -315,8 +315,8 @@ def test_an_interrupted_write_leaves_no_file(checkpoints, tmp_path, monkeypatch)
         return original(tensor)
 
     monkeypatch.setattr(GGUFWriter, "_bytes", staticmethod(fail_after_three))
-    with pytest.raises(KeyboardInterrupt):
-        main(["quantize", str(src), str(tmp_path / "model.gguf"), "--experts", "q8_0"])
+    # Ctrl-C ends the command with the shell's code for it, and no partial file
+    assert main(["quantize", str(src), str(tmp_path / "model.gguf"), "--experts", "q8_0"]) == 130
     assert len(written) == 3  # it was writing tensors when it stopped
     assert list(tmp_path.iterdir()) == []
 

@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 
+from moerun.cli.common import add_threads_argument, check_threads, resolve_device, use_threads
 from moerun.moe.backends import BACKENDS
 from moerun.quant.formats import COMPUTE_DTYPES
 
@@ -16,14 +17,15 @@ def add_parser(commands) -> None:
     from moerun.bench.layer import SHAPES
 
     bench = commands.add_parser("bench", help="benchmark one MoE layer with a real model's shapes")
-    bench.add_argument("--shape", choices=sorted(SHAPES), default="olmoe")
-    bench.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default="bf16")
+    bench.add_argument("--shape", choices=sorted(SHAPES), default="olmoe", help="whose layer shapes to use")
+    bench.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default="bf16", help="compute dtype")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: triton on CUDA")
     bench.add_argument(
         "--prefill-tokens", type=int, help="prefill prompt length (default 512; --model PATH: 256)"
     )
-    bench.add_argument("--decode-steps", type=int, default=32)
+    bench.add_argument("--decode-steps", type=int, default=32, help="decode steps timed")
+    add_threads_argument(bench)
     bench.add_argument(
         "--peer-impl",
         choices=["grouped_mm", "eager"],
@@ -40,6 +42,7 @@ def add_parser(commands) -> None:
     )
     bench.add_argument("--no-peer", action="store_true", help="skip transformers' block")
     bench.add_argument(
+        "-m",
         "--model",
         nargs="?",
         const="",
@@ -78,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"... {message}", file=sys.stderr, flush=True)
 
+    if args.device is not None:
+        args.device = resolve_device(args.device)
+    check_threads(args)
+    use_threads(args)
     if args.model is not None and args.offload:
         raise SystemExit("moerun bench: give --model or --offload, not both.")
     if args.peer and not args.model:

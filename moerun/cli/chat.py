@@ -1,6 +1,7 @@
 """`moerun chat`: a conversation in the model's own chat template. Ctrl-C stops the reply being
-written (the part already written stays in the conversation); Ctrl-D or /exit ends the session. Each
-turn prefills only what is new (generate's reuse_prefix)."""
+written (the part already written stays in the conversation); Ctrl-D or /exit ends the session;
+/reset starts over. When the conversation outgrows the context, the oldest turns are dropped (and
+the user told) so it keeps going. Each turn prefills only what is new (generate's reuse_prefix)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,25 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from moerun.cli.common import add_model_arguments, load_with_progress, sampling_options, summary
+from moerun.cli.common import (
+    add_generation_arguments,
+    add_model_arguments,
+    generation_options,
+    load_with_progress,
+    summary,
+)
+
+COMMANDS = {
+    "/help": "this list",
+    "/reset": "forget the conversation (the system message stays); also /clear",
+    "/exit": "end the session; also /quit or Ctrl-D",
+}
 
 
 def add_parser(commands) -> None:
     chat = commands.add_parser("chat", help="a conversation with the model's own chat template")
     add_model_arguments(chat)
+    add_generation_arguments(chat)
     chat.set_defaults(run=chat_command)
 
 
@@ -31,8 +45,13 @@ def run_chat(
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot chat; use `moerun generate` with ids.")
     model.tokenizer.render_chat([{"role": "user", "content": ""}])  # no template: say so now, not later
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    err.write("moerun chat: Ctrl-C stops a reply, Ctrl-D or /exit quits.\n")
+    options = generation_options(args, err)
+    context = options["ctx_size"] or model.config.max_positions
+    # positions kept free for a reply when old turns are dropped
+    room = max(1, min(context // 2, context if options["max_new_tokens"] < 0 else options["max_new_tokens"]))
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    err.write("moerun chat: Ctrl-C stops a reply, Ctrl-D or /exit quits, /help lists the commands.\n")
     while True:
         try:
             line = read("> ")
@@ -42,18 +61,27 @@ def run_chat(
         except KeyboardInterrupt:
             out.write("\n")
             continue
-        if line.strip() in ("/exit", "/quit"):
+        command = line.strip()
+        if command in ("/exit", "/quit"):
             return 0
-        if not line.strip():
+        if command == "/help":
+            err.write("".join(f"  {name:8} {what}\n" for name, what in COMMANDS.items()))
+            continue
+        if command in ("/reset", "/clear"):
+            messages = list(system)
+            err.write("[the conversation is reset]\n")
+            continue
+        if not command:
             continue
         messages.append({"role": "user", "content": line})
+        prompt = _fit(model, messages, len(system), context - room, err)
+        if prompt is None:
+            messages.pop()
+            continue
         reply = []
         try:
-            prompt = model.tokenizer.encode_chat(messages)
             # each turn repeats the conversation: only what is new since the last turn is prefilled
-            for token in model.generate(
-                prompt, max_new_tokens=args.max_tokens, reuse_prefix=True, **sampling_options(args)
-            ):
+            for token in model.generate(prompt, reuse_prefix=True, **options):
                 reply.append(token.text)
                 out.write(token.text)
                 out.flush()
@@ -61,10 +89,31 @@ def run_chat(
             err.write("\n[stopped]")
         out.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
-        err.write(f"({summary(model.stats())})\n")
+        stats = model.stats()
+        err.write(f"({summary(stats)})\n")
+
+
+def _fit(model, messages: list[dict], kept: int, limit: int, err: TextIO) -> list[int] | None:
+    """The conversation's ids, its oldest turns after the first `kept` messages dropped (in place)
+    until they are at most `limit`; None (said on `err`) when the last message alone is too long."""
+    prompt = model.tokenizer.encode_chat(messages)
+    dropped = 0
+    while len(prompt) > limit and len(messages) > kept + 1:
+        del messages[kept]  # the oldest message; a user turn with its reply
+        if len(messages) > kept + 1 and messages[kept]["role"] == "assistant":
+            del messages[kept]
+        dropped += 1
+        prompt = model.tokenizer.encode_chat(messages)
+    if len(prompt) > limit:
+        err.write(f"[that message is {len(prompt)} tokens with the template, more than the context allows]\n")
+        return None
+    if dropped:
+        err.write(f"[the context is full: the oldest {dropped} turn{'s' if dropped > 1 else ''} dropped]\n")
+    return prompt
 
 
 def chat_command(args: argparse.Namespace) -> int:
+    generation_options(args, sys.stderr)  # the flags' values, checked before the model loads
     with contextlib.suppress(ImportError):  # not on every platform
         import readline  # noqa: F401  line editing and history for input()
     return run_chat(load_with_progress(args), args)

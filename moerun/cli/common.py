@@ -1,5 +1,6 @@
-"""What `generate` and `chat` share: the model and sampling options, loading with a progress bar on
-stderr, and the one-line summary of a run's figures."""
+"""What the model commands share: the flags for loading a model and for generating, their values
+checked before anything loads, loading with a progress bar on stderr, and the one-line summary of a
+run's figures."""
 
 from __future__ import annotations
 
@@ -12,14 +13,41 @@ import torch
 
 from moerun.moe.backends import BACKENDS
 from moerun.quant.formats import COMPUTE_DTYPES
+from moerun.sampling import SamplingParams, check_sampling
 
+INTERRUPTED = 130  # exit code: 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 ACTIVATION_MODES = {"auto": None, "int8": True, "exact": False}  # --activations -> int8_activations
+# SamplingParams field -> its flag
+SAMPLING_FLAGS = {
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repeat-penalty",
+    "seed": "--seed",
+}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with each flag's default appended, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = action.option_strings and not (default is None or default is False or default == [])
+        shown = shown and default != argparse.SUPPRESS
+        if shown and "%(default)" not in text and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF checkpoint directory, .gguf file or cached hub id")
-    parser.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default="bf16")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    """The flags that say which model to load and how."""
+    parser.add_argument(
+        "-m", "--model", required=True, help="HF checkpoint directory, .gguf file or cached hub id"
+    )
+    parser.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default="bf16", help="compute dtype")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -33,15 +61,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="int8: activations quantised per block for integer dot products, as llama.cpp does; exact: "
         "fp32 activations (within 1e-4 of the reference); auto: int8 for bf16/f16, exact for fp32",
     )
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default 256)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repeat-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None, help="same seed, same text")
-    parser.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
-    parser.add_argument("--system", default=None, help="a system message for the chat template")
+    add_threads_argument(parser)
     parser.add_argument(
         "--expert-cache-gb",
         type=float,
@@ -59,23 +79,124 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def sampling_options(args: argparse.Namespace) -> dict:
-    return dict(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repeat_penalty,
-        seed=args.seed,
-        stop=args.stop,
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-t", "--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)"
     )
 
 
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say how to generate: length, context, sampling, stop strings."""
+    parser.add_argument(
+        "-n",
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="new tokens at most; -1: until EOS or the context ends",
+    )
+    add_ctx_size_argument(parser, "positions of the context, prompt included (default: the model's)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="with --temperature: sample from the k likeliest (0: off)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling (1: off)"
+    )
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="with --temperature: drop tokens below min-p x the likeliest's (0: off)",
+    )
+    parser.add_argument(
+        "--repeat-penalty", type=float, default=1.0, help="> 1 discourages tokens already seen (1: off)"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="with --temperature: same seed, same text")
+    parser.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+    parser.add_argument("--system", default=None, help="a system message for the chat template")
+
+
+def add_ctx_size_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("-c", "--ctx-size", type=int, default=None, help=help)
+
+
+def read_text(path: str, flag: str = "--file") -> str:
+    """The UTF-8 text of the file a flag names (- for stdin)."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path}: not UTF-8 text.") from None
+
+
+def resolve_device(name: str | None) -> str:
+    """--device -> a device torch can use here, or a ValueError saying why not."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: moerun runs on cpu or cuda (cuda:N for one GPU of several).")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA GPU is available to this torch build; use --device cpu.")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices here.")
+    return name
+
+
+def check_model_arguments(args: argparse.Namespace) -> None:
+    """The loading flags' values, checked before anything loads (a ValueError naming the flag)."""
+    args.device = resolve_device(args.device)
+    check_threads(args)
+    if args.expert_cache_gb is not None and not args.expert_cache_gb > 0:
+        raise ValueError(f"--expert-cache-gb must be > 0, got {args.expert_cache_gb}.")
+    if args.prefetch_k is not None and args.prefetch_k < 0:
+        raise ValueError(f"--prefetch-k must be >= 0, got {args.prefetch_k}.")
+    if not args.host_cache_gb >= 0:
+        raise ValueError(f"--host-cache-gb must be >= 0, got {args.host_cache_gb}.")
+
+
+def check_threads(args: argparse.Namespace) -> None:
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}.")
+
+
+def use_threads(args: argparse.Namespace) -> None:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+
+def generation_options(args: argparse.Namespace, err: TextIO) -> dict:
+    """The generation flags as model.generate's keyword options, checked before anything loads
+    (a ValueError naming the flag); flags greedy decoding does not use are named on `err`."""
+    if args.max_tokens < -1:
+        raise ValueError(f"--max-tokens must be >= 0, or -1 for no limit, got {args.max_tokens}.")
+    if args.ctx_size is not None and args.ctx_size < 1:
+        raise ValueError(f"--ctx-size must be >= 1, got {args.ctx_size}.")
+    sampling = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in SAMPLING_FLAGS.items()}
+    check_sampling(sampling, SAMPLING_FLAGS)
+    if unused := SamplingParams(**sampling).unused():
+        flags = ", ".join(SAMPLING_FLAGS[name] for name in unused)
+        err.write(
+            f"moerun {args.command}: {flags} only apply when sampling; add --temperature (> 0) to sample.\n"
+        )
+    return dict(sampling, stop=args.stop, max_new_tokens=args.max_tokens, ctx_size=args.ctx_size)
+
+
 def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
+    """moerun.load with the loading flags, a progress bar on `err` when it is a terminal (one line
+    when it is a file or pipe)."""
     import moerun
 
     err = err or sys.stderr
+    check_model_arguments(args)
+    use_threads(args)
     start = time.perf_counter()
+    terminal = err.isatty()
 
     def progress(done: int, total: int) -> None:
         width = 30
@@ -85,16 +206,19 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
 
     model = moerun.load(
         args.model,
-        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        device=args.device,
         dtype=COMPUTE_DTYPES[args.dtype],
         backend=args.backend,
-        expert_cache_gb=getattr(args, "expert_cache_gb", None),
-        prefetch_k=getattr(args, "prefetch_k", None),
-        host_cache_gb=getattr(args, "host_cache_gb", 0.0),
-        progress=progress,
-        int8_activations=ACTIVATION_MODES[getattr(args, "activations", "auto")],
+        expert_cache_gb=args.expert_cache_gb,
+        prefetch_k=args.prefetch_k,
+        host_cache_gb=args.host_cache_gb,
+        progress=progress if terminal else None,
+        int8_activations=ACTIVATION_MODES[args.activations],
     )
-    err.write(f"\rloaded {args.model} in {time.perf_counter() - start:.1f} s{' ' * 40}\n")
+    erase = "\r" if terminal else ""
+    err.write(
+        f"{erase}loaded {args.model} in {time.perf_counter() - start:.1f} s{' ' * 40 if terminal else ''}\n"
+    )
     return model
 
 
@@ -107,6 +231,8 @@ def summary(stats: dict) -> str:
     parts.append(f"generated {stats.get('new_tokens', 0)} tokens")
     if "decode_tok_s" in stats:
         parts[-1] += f" ({stats['decode_tok_s']:.1f} tok/s decode)"
+    if stats.get("finish_reason") == "context":
+        parts.append(f"stopped: the context of {stats['context']} positions is full")
     if offload := stats.get("offload"):
         t = offload["total"]
         requests = t["hits"] + t["misses"]

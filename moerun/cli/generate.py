@@ -1,5 +1,6 @@
 """`moerun generate`: a prompt in, the model's text streamed to stdout, the run's figures on stderr
-(or one JSON record with --json), so the output can be piped."""
+(or one JSON record with --json), so the output can be piped. Ctrl-C stops it: the figures so far
+are printed and the exit code is 130, as for any interrupted command."""
 
 from __future__ import annotations
 
@@ -8,44 +9,124 @@ import json
 import sys
 from typing import TextIO
 
-from moerun.cli.common import add_model_arguments, load_with_progress, sampling_options, summary
+from moerun.cli.common import (
+    INTERRUPTED,
+    add_generation_arguments,
+    add_model_arguments,
+    generation_options,
+    load_with_progress,
+    read_text,
+    summary,
+)
 
 
 def add_parser(commands) -> None:
     generate = commands.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     add_model_arguments(generate)
-    generate.add_argument("--prompt", required=True)
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", help="the prompt text")
+    source.add_argument("-f", "--file", help="read the prompt text from this file (- for stdin)")
+    source.add_argument(
+        "--prompt-ids", help="the prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed)"
+    )
+    add_generation_arguments(generate)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument(
+        "--logprobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --json: each token's log-probability and the N likeliest alternatives",
+    )
     generate.add_argument("--json", action="store_true", help="print one JSON record at the end instead")
     generate.set_defaults(run=run_generate)
 
 
-def _prompt_ids(model, args: argparse.Namespace, text: str) -> list[int] | str:
+def read_prompt(args: argparse.Namespace) -> str | list[int]:
+    """--prompt, --file (- for stdin) or --prompt-ids -> the prompt text or ids."""
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(part) for part in args.prompt_ids.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--prompt-ids takes comma-separated integers, e.g. 1,2,3, not {args.prompt_ids!r}."
+            ) from None
+        if not ids or min(ids) < 0:
+            raise ValueError(f"--prompt-ids takes token ids >= 0, not {args.prompt_ids!r}.")
+        return ids
+    return args.prompt if args.file is None else read_text(args.file)
+
+
+def _check_arguments(args: argparse.Namespace, err: TextIO) -> dict:
+    options = generation_options(args, err)
+    if args.logprobs < 0:
+        raise ValueError(f"--logprobs must be >= 0, got {args.logprobs}.")
+    if args.logprobs and not args.json:
+        raise ValueError("--logprobs are reported in the --json record; add --json.")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a message for the chat template; add --chat.")
+    if args.chat and args.prompt_ids is not None:
+        raise ValueError("--chat renders a text prompt, --prompt-ids are already tokens; give one.")
+    return dict(options, logprobs=args.logprobs)
+
+
+def _prompt_for_model(model, args: argparse.Namespace, prompt: str | list[int]) -> list[int] | str:
+    if model.tokenizer is None and isinstance(prompt, str):
+        raise ValueError(
+            f"{args.model} has no tokenizer, so give the prompt as token ids (--prompt-ids 1,2,3)."
+        )
     if not args.chat:
-        return text
+        return prompt
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": text}
+        {"role": "user", "content": prompt}
     ]
-    if model.tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer, so --chat cannot render a chat prompt.")
     return model.tokenizer.encode_chat(messages)
 
 
 def run_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
+    options = _check_arguments(args, err)
+    prompt = read_prompt(args)
     model = load_with_progress(args, err)
-    prompt = _prompt_ids(model, args, args.prompt)
-    texts, ids = [], []
-    for token in model.generate(prompt, max_new_tokens=args.max_tokens, **sampling_options(args)):
-        ids.append(token.id)
-        texts.append(token.text)
-        if not args.json:
-            out.write(token.text)
-            out.flush()
+    tokens = model.generate(_prompt_for_model(model, args, prompt), **options)
+    generated = []
+    try:
+        for token in tokens:
+            generated.append(token)
+            if not args.json:
+                out.write(token.text)
+                out.flush()
+        code = 0
+    except KeyboardInterrupt:
+        tokens.close()
+        code = INTERRUPTED
     stats = model.stats()
+    if code == INTERRUPTED:
+        stats["finish_reason"] = "interrupted"
     if args.json:
-        out.write(json.dumps({"text": "".join(texts), "ids": ids, "stats": stats}) + "\n")
+        out.write(json.dumps(_record(model, generated, stats, args.logprobs)) + "\n")
     else:
         out.write("\n")
-        err.write(summary(stats) + "\n")
-    return 0
+        err.write(("[stopped] " if code == INTERRUPTED else "") + summary(stats) + "\n")
+    return code
+
+
+def _record(model, tokens: list, stats: dict, logprobs: int) -> dict:
+    record = {
+        "text": "".join(t.text for t in tokens),
+        "ids": [t.id for t in tokens],
+        "finish_reason": stats["finish_reason"],
+        "stats": stats,
+    }
+    if logprobs:
+        name = model.tokenizer.id_to_token if model.tokenizer else str
+        record["logprobs"] = [
+            {
+                "id": t.id,
+                "token": name(t.id),
+                "logprob": t.logprob,
+                "top_logprobs": [{"id": i, "token": name(i), "logprob": lp} for i, lp in t.top_logprobs],
+            }
+            for t in tokens
+        ]
+    return record

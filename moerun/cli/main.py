@@ -5,16 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moerun.cli import bench, chat, generate, inspect, quantize
+import moerun
+from moerun.cli import bench, chat, generate, inspect, perplexity, quantize
+from moerun.cli.common import INTERRUPTED, HelpFormatter
 
-SUBCOMMANDS = (bench, generate, chat, inspect, quantize)
+SUBCOMMANDS = (bench, generate, chat, perplexity, inspect, quantize)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moerun", description=__doc__)
+    parser = argparse.ArgumentParser(prog="moerun", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"moerun {moerun.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for subcommand in SUBCOMMANDS:
         subcommand.add_parser(commands)
+    for command in commands.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 
@@ -25,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:  # bad input: files, settings, prompts (one sentence each)
         print(f"moerun {args.command}: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\nmoerun {args.command}: interrupted.", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

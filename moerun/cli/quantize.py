@@ -20,7 +20,7 @@ def add_parser(commands) -> None:
         "--rest", default="f16", help="format of the other 2-D weights: f16 (default), bf16, f32, q8_0"
     )
     quantize.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    quantize.add_argument("--threads", type=int, default=1, help="torch threads while quantising (default 1)")
+    quantize.add_argument("-t", "--threads", type=int, default=1, help="torch threads while quantising")
     quantize.set_defaults(run=run)
 
 

@@ -1,0 +1,56 @@
+"""`moerun perplexity`: a model's perplexity over a text file (moerun.perplexity), with progress on
+stderr and the result on stdout (or one JSON record)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TextIO
+
+from moerun.cli.common import add_ctx_size_argument, add_model_arguments, load_with_progress, read_text
+
+
+def add_parser(commands) -> None:
+    command = commands.add_parser("perplexity", help="a model's perplexity over a text file")
+    add_model_arguments(command)
+    command.add_argument("-f", "--file", required=True, help="the text to score (- for stdin)")
+    add_ctx_size_argument(command, "tokens per window (default: 512, or the model's context if shorter)")
+    command.add_argument(
+        "--stride", type=int, default=None, help="tokens between window starts (default: half of --ctx-size)"
+    )
+    command.add_argument("--json", action="store_true", help="print one JSON object")
+    command.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    from moerun.perplexity import perplexity
+
+    out, err = out or sys.stdout, err or sys.stderr
+    if args.ctx_size is not None and args.ctx_size < 1:
+        raise ValueError(f"--ctx-size must be >= 1, got {args.ctx_size}.")
+    if args.stride is not None and not 0 < args.stride <= (args.ctx_size or args.stride):
+        raise ValueError(f"--stride must be in [1, --ctx-size], got {args.stride}.")
+    text = read_text(args.file)
+    model = load_with_progress(args, err)
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer, so it cannot score a text file.")
+    ctx_size = args.ctx_size or min(512, model.config.max_positions)
+    if args.stride is not None and args.stride > ctx_size:
+        raise ValueError(f"--stride must be in [1, --ctx-size={ctx_size}], got {args.stride}.")
+
+    def progress(done: int, total: int, so_far: float) -> None:
+        if not args.json:
+            err.write(f"[{done}/{total}] perplexity so far {so_far:.4f}\n")
+            err.flush()
+
+    result = perplexity(model, model.tokenizer.encode(text), ctx_size, args.stride, progress)
+    if args.json:
+        out.write(json.dumps(result) + "\n")
+    else:
+        out.write(
+            f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens "
+            f"({result['windows']} windows of {result['ctx_size']}, stride {result['stride']}; "
+            f"{result['tok_s']:.1f} tok/s)\n"
+        )
+    return 0

@@ -252,3 +252,30 @@ def test_json_logprobs(checkpoint, capsys):
         assert entry["id"] == record["ids"][i] and entry["token"] == model.tokenizer.id_to_token(entry["id"])
         assert entry["logprob"] == pytest.approx(float(logits[i, entry["id"]]), abs=1e-4)
         assert [t["id"] for t in entry["top_logprobs"]] == logits[i].topk(3).indices.tolist()
+
+
+def test_warm_up_runs_before_the_timed_generation_and_no_bar_goes_to_a_file(checkpoint, capsys, monkeypatch):
+    calls, real_warm_up, real_generate = [], moerun.MoEModel.warm_up, moerun.MoEModel.generate
+
+    def warm_up(self):
+        calls.append("warm_up")
+        real_warm_up(self)
+
+    def generate(self, *args, **kwargs):
+        calls.append("generate")
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(moerun.MoEModel, "warm_up", warm_up)
+    monkeypatch.setattr(moerun.MoEModel, "generate", generate)
+    out = _generate(checkpoint, capsys, "-n", "4")
+    assert calls == ["warm_up", "generate"]
+    assert "\r" not in out.err and "loaded" in out.err.splitlines()[0]  # stderr is not a terminal here
+    calls.clear()
+    _generate(checkpoint, capsys, "-n", "4", "--no-warmup")
+    assert calls == ["generate"]
+
+
+def test_warm_up_leaves_generation_unchanged(checkpoint):
+    model, fresh = moerun.load(checkpoint, dtype=torch.float32), moerun.load(checkpoint, dtype=torch.float32)
+    model.warm_up()
+    assert [t.id for t in model.generate("hello café", 8)] == [t.id for t in fresh.generate("hello café", 8)]

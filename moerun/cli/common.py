@@ -63,6 +63,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_threads_argument(parser)
     parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the warm-up step after loading (kernels compiled on first use would then be timed)",
+    )
+    parser.add_argument(
         "--expert-cache-gb",
         type=float,
         default=None,
@@ -219,6 +224,11 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
     err.write(
         f"{erase}loaded {args.model} in {time.perf_counter() - start:.1f} s{' ' * 40 if terminal else ''}\n"
     )
+    if not args.no_warmup:
+        start = time.perf_counter()
+        model.warm_up()  # kernels that compile on first use do it here, not in the timed run
+        if (seconds := time.perf_counter() - start) >= 0.5:
+            err.write(f"warmed up in {seconds:.1f} s\n")
     return model
 
 

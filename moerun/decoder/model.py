@@ -272,6 +272,16 @@ class MoEModel:
         ]
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """A two-token prompt and one decode step on a throwaway cache, so that whatever compiles
+        or loads on first use (numba kernels, Triton autotuning) does so now, not inside a timed
+        generation or between streamed tokens (llama.cpp's warm-up run)."""
+        cache = self.new_cache(1, 3)
+        ids = torch.zeros((1, 2), dtype=torch.long)
+        self.hidden_logits(self.forward(ids, cache)[0, -1])
+        self.hidden_logits(self.forward(ids[:, :1], cache)[0, -1])
+
     def generate(
         self, prompt: str | Sequence[int], max_new_tokens: int | None = 128, **options
     ) -> Iterator[Token]:

@@ -55,11 +55,13 @@ void init_generic(void);
 void init_avx512(void); /* overrides entries of FMT where the variant has faster code */
 void init_avx2(void);
 
-/* The calling thread's scratch buffer of at least `bytes` bytes, 64-byte aligned, kept from call to
- * call (NULL: out of memory). A call's large buffers (the MoE step's hidden rows, a prompt's
- * quantised activations) come from it instead of fresh allocations, whose pages each cost a fault
- * on first touch. Contents undefined; one request per entry point call, not nested. */
-void *moerun_scratch(size_t bytes);
+/* A call's large buffers (the MoE step's hidden rows, a prompt's quantised activations), carved
+ * from the calling thread's scratch region, which is kept from call to call: fresh allocations
+ * would cost a page fault per 4 KiB on first touch. parts[i] gets sizes[i] bytes, 64-byte aligned
+ * (NULL where sizes[i] is 0), with 64 bytes to spare after the last (a vector load may read past
+ * it). Contents undefined; valid until the thread's next request (one per entry point call, not
+ * nested). Returns 0, or -4 out of memory (every part NULL). */
+int moerun_scratch_parts(int n, const size_t *sizes, void **parts);
 
 void quantize_q8k(const float *x, int64_t n, q8k_t *y);
 void quantize_q8a(const float *x, int64_t n, q8a_t *y);

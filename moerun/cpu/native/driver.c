@@ -115,9 +115,10 @@ static int matmul_gemm(int fmt, const gemm_ops *g, const uint8_t *w, int64_t row
                        const float *x, int64_t T, float *y, int nthreads) {
     const int act = FMT[fmt].act;
     const size_t xb = act_bytes(act, n);
-    const size_t xq_bytes = (xb * (size_t)T + 63) / 64 * 64;
-    char *xq = moerun_scratch(xq_bytes + g->size(fmt, T, n) + 64), *xl = xq + xq_bytes;
-    if (!xq) return -4;
+    const size_t sizes[2] = {xb * (size_t)T, g->size(fmt, T, n)};
+    void *parts[2];
+    if (moerun_scratch_parts(2, sizes, parts)) return -4;
+    char *xq = parts[0], *xl = parts[1];
     const int64_t groups = (T + GEMM_TOKENS - 1) / GEMM_TOKENS;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -145,8 +146,9 @@ int moerun_matmul(int fmt, const uint8_t *w, int64_t rows, int64_t n, int64_t ro
         return matmul_gemm(fmt, &GEMM[fmt], w, rows, n, row_bytes, x, T, y, nthreads);
     rows_fn fn = act == ACT_F32 ? f->exact : f->integer;
     size_t xb = act_bytes(act, n);
+    const size_t xq_size = act != ACT_F32 ? xb * (size_t)T : 0;
     void *xq = NULL;
-    if (act != ACT_F32 && !(xq = moerun_scratch(xb * (size_t)T + 64))) return -4;
+    if (xq_size && moerun_scratch_parts(1, &xq_size, &xq)) return -4;
     const char *xs_base = act == ACT_F32 ? (const char *)x : (const char *)xq;
 #pragma omp parallel num_threads(nthreads)
     {

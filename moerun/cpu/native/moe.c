@@ -199,20 +199,14 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
         size_t n2 = plan_gemm(dn, E, off, I, integer, allow_gemm, xl_off + E);
         row_costs(gu, off, E, cost);
         row_costs(dn, off, E, cost + E + 1);
-        void **bufs[] = {(void **)&h, (void **)&a, (void **)&y, (void **)&xq_k, (void **)&xq_0,
-                         (void **)&aq_k, (void **)&aq_0, (void **)&xl1, (void **)&xl2, (void **)&xg};
         const size_t sizes[] = {P1 * (size_t)R1 * sizeof(float), P1 * (size_t)I * sizeof(float),
                                 P1 * (size_t)H * sizeof(float), need[0][ACT_Q8_K] ? xk * (size_t)T : 0,
                                 need[0][ACT_Q8_0] ? x0 * (size_t)T : 0, need[1][ACT_Q8_K] ? ak * P1 : 0,
                                 need[1][ACT_Q8_0] ? a0 * P1 : 0, n1, n2, n1 ? (xk > x0 ? xk : x0) * P1 : 0};
-        size_t total = 0;
-        for (int i = 0; i < 10; i++) total += (sizes[i] + 63) / 64 * 64;
-        char *base = moerun_scratch(total + 64); /* + 64: a vector load may read past the last */
-        if (!base) err = -4;
-        for (int i = 0; i < 10 && base; i++) {
-            *bufs[i] = sizes[i] ? base : NULL;
-            base += (sizes[i] + 63) / 64 * 64;
-        }
+        void *parts[10];
+        err = moerun_scratch_parts(10, sizes, parts);
+        h = parts[0], a = parts[1], y = parts[2], xq_k = parts[3], xq_0 = parts[4];
+        aq_k = parts[5], aq_0 = parts[6], xl1 = parts[7], xl2 = parts[8], xg = parts[9];
         for (int64_t e = 0; e < E && !err; e++) {
             gu[e].xl = gu[e].gemm ? xl1 + xl_off[e] : NULL;
             dn[e].xl = dn[e].gemm ? xl2 + xl_off[E + e] : NULL;

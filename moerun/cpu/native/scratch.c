@@ -1,4 +1,4 @@
-/* moerun_scratch (common.h): one grow-only buffer per calling thread, freed with the thread. */
+/* moerun_scratch_parts (common.h): one grow-only region per calling thread, freed with the thread. */
 #include <pthread.h>
 #include <stdlib.h>
 
@@ -19,7 +19,7 @@ static void release(void *s) {
 
 static void make_key(void) { pthread_key_create(&key, release); }
 
-void *moerun_scratch(size_t bytes) {
+static void *scratch(size_t bytes) {
     pthread_once(&once, make_key);
     scratch_t *s = pthread_getspecific(key);
     if (!s) {
@@ -33,4 +33,21 @@ void *moerun_scratch(size_t bytes) {
         s->cap = s->p ? cap : 0;
     }
     return s->p;
+}
+
+static size_t rounded(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+int moerun_scratch_parts(int n, const size_t *sizes, void **parts) {
+    size_t total = 64;
+    for (int i = 0; i < n; i++) total += rounded(sizes[i]);
+    char *base = scratch(total);
+    for (int i = 0; i < n; i++) {
+        if (!base) {
+            parts[i] = NULL;
+            continue;
+        }
+        parts[i] = sizes[i] ? base : NULL;
+        base += rounded(sizes[i]);
+    }
+    return base ? 0 : -4;
 }

@@ -21,7 +21,8 @@ ALLOWED = {
     "cpu": {"quant", "activations.py", "settings.py"},
     "offload": {"loader", "quant"},
     "moe": {"kernels", "cpu", "quant", "activations.py", "placement.py", "linear.py", "settings.py"},
-    "generate.py": {"text"},
+    "sampling.py": set(),
+    "generate.py": {"text", "sampling.py"},
     "decoder": {
         "moe",
         "offload",
@@ -34,6 +35,7 @@ ALLOWED = {
         "generate.py",
     },  # fmt: skip
     "families": {"decoder", "moe", "activations.py"},
+    "perplexity.py": {"decoder"},
     "checkpoint": {"decoder", "families", "loader", "moe", "offload", "quant", "text", "settings.py"},
     "export": {"checkpoint", "decoder", "families", "loader", "quant", "text"},
     "bench": {
@@ -52,7 +54,19 @@ ALLOWED = {
         "activations.py",
         "settings.py",
     },  # fmt: skip
-    "cli": {"moerun", "bench", "checkpoint", "export", "decoder", "moe", "quant", "text", "settings.py"},
+    "cli": {
+        "moerun",
+        "bench",
+        "checkpoint",
+        "export",
+        "decoder",
+        "moe",
+        "quant",
+        "text",
+        "sampling.py",
+        "perplexity.py",
+        "settings.py",
+    },  # fmt: skip
     "__init__.py": {"checkpoint", "decoder", "moe", "generate.py"},
     "__main__.py": {"cli"},
 }

@@ -612,6 +612,11 @@ def _fork_case(path: str, timeout: float, case=run_case) -> dict:
     if pid == 0:  # the child: limits, quiet output, the case, the answer, exit
         try:
             os.close(read)
+            # torch rebuilds its thread pool in a forked child on first use, without a lock: a
+            # streamed load's reader thread and this one racing to it get "Invalid thread pool!".
+            # Rebuilt here, while this is the child's only thread, nothing races.
+            if "torch" in sys.modules:
+                sys.modules["torch"].set_num_threads(1)
             limit = _vm_size() + MEMORY_LIMIT
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
             null = os.open(os.devnull, os.O_WRONLY)

@@ -399,3 +399,13 @@ def test_inspect_errors_name_the_file(saved, tmp_path, capsys):
     assert cli(["inspect", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path / 'config.json'}: num_hidden_layers is '3'" in err and len(err) < MAX_MESSAGE
+
+
+def test_every_tensor_misshaped_is_still_one_short_sentence(saved, tmp_path):
+    """Fuzz seed 1 case 1732 (an expert count that fits no expert tensor, in a deep directory) gave
+    a message over 500 characters: now two names per list, each cut to 60 characters."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    path = _copy(saved, deep, edit_config=_set("num_experts", 3))
+    message = _refused(path, StateDictError, r"mis-shaped: .*\(\d+ more\)")
+    assert str(deep) in message

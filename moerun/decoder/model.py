@@ -317,7 +317,7 @@ def check_model_tensors(
 ) -> None:
     """One StateDictError listing every missing, unexpected and mis-shaped tensor of the model;
     `sources` (canonical name -> checkpoint name) and `where` (the file) make the message concrete."""
-    problems = tensor_problems(config.tensor_shapes(), tensors, sources, limit=3)  # one sentence
+    problems = tensor_problems(config.tensor_shapes(), tensors, sources, limit=2)  # one short sentence
     if problems:
         raise StateDictError(
             f"{f'{where}: the' if where else 'The'} {config.model_type} checkpoint's tensors do not fit "

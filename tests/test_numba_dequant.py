@@ -3,6 +3,10 @@ bit: random blocks whose scale, min and quant fields take every value, fp16 scal
 zero, subnormal, infinite or NaN (gguf keeps NaN payloads), odd block counts, chunks split over
 threads, and the routing in `dequantize_bytes`."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -164,9 +168,32 @@ def test_routing_by_size_and_without_numba(monkeypatch):
     assert calls == [1]
 
 
-def test_first_use_says_it_compiles(monkeypatch, capsys):
-    monkeypatch.setattr(numba_dequant, "_ready", set())
-    data = torch.from_numpy(random_bytes("q8_0", (1, 64 * 32), seed=4)).reshape(-1, 34)
-    numba_dequant.numba_dequantize(FORMATS["q8_0"], data)
-    numba_dequant.numba_dequantize(FORMATS["q8_0"], data)
-    assert capsys.readouterr().err == "moerun: compiling the q8_0 dequantiser (once; cached on disk)\n"
+# Dequantises and multiplies with q8_0 twice each, in a process of its own, and says "done" on stdout.
+FIRST_USE = """
+import torch
+from moerun.quant.formats import FORMATS
+from moerun.quant.numba_dequant import numba_dequantize
+from moerun.quant.numba_matvec import numba_matvec
+data = torch.randint(0, 127, (4, 34), dtype=torch.uint8)
+for _ in range(2):
+    numba_dequantize(FORMATS["q8_0"], data)
+    numba_matvec("q8_0", data, torch.ones(32))
+print("done")
+"""
+COMPILING = [
+    "moerun: compiling the q8_0 dequantiser (once; cached on disk)",
+    "moerun: compiling the q8_0 decode kernel with numba (once; later runs load it from numba's disk cache)",
+]
+
+
+def test_says_it_compiles_only_when_it_does(tmp_path):
+    """A process with an empty numba cache compiles each kernel once and says so on stderr; a second
+    process with the same cache loads them from disk and says nothing. stdout carries none of it."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    command = [sys.executable, "-c", FIRST_USE]
+    runs = [subprocess.run(command, env=env, capture_output=True, text=True, timeout=600) for _ in range(2)]
+    for run in runs:
+        assert (run.returncode, run.stdout) == (0, "done\n"), run.stderr
+    assert [line for line in runs[0].stderr.splitlines() if "compiling" in line] == COMPILING
+    assert "compiling" not in runs[1].stderr
+    assert any((tmp_path / "numba").rglob("*.nbi"))  # numba's cache index, on disk

@@ -12,13 +12,12 @@ NaN payloads as gguf does; NaN and inf d fields then propagate through the same 
 
 The kernels release the GIL; `numba_dequantize` hands chunks of blocks to the calling thread and the
 matvec kernels' thread pool (torch.get_num_threads() threads in all), as `numba_matvec` does. The first
-call per format compiles (seconds) and says so on stderr; numba caches the machine code on disk.
+call per format compiles (seconds) and says so on stderr; numba caches the machine code on disk, and a
+later process that loads it from there says nothing.
 """
 
 from __future__ import annotations
 
-import sys
-import threading
 from collections.abc import Callable
 
 import numba
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from moerun.quant.formats import QFormat
-from moerun.quant.numba_matvec import E8M0_HALF, run_in_chunks
+from moerun.quant.numba_matvec import E8M0_HALF, first_call, run_in_chunks
 
 # No fastmath: every float operation stays as written, in float32, in order.
 _jit = numba.njit(nogil=True, cache=True)
@@ -232,8 +231,6 @@ _KERNELS: dict[str, tuple[Callable, np.ndarray]] = {
 }
 # Blocks are handed out in chunks of about this many bytes (a few hundred KB of float32 output each).
 _CHUNK_BYTES = 64 * 1024
-_ready: set[str] = set()
-_compiling = threading.Lock()
 
 
 def has_numba_dequant(fmt_name: str) -> bool:
@@ -247,15 +244,7 @@ def numba_dequantize(fmt: QFormat, blocks: torch.Tensor) -> torch.Tensor:
     data = blocks.contiguous().numpy()  # a zero-copy view where the bytes are already contiguous
     n_blocks, block_bytes = data.shape
     out = np.empty((n_blocks, fmt.block_size), np.float32)
-    if fmt_name not in _ready:
-        with _compiling:
-            if fmt_name not in _ready:
-                print(
-                    f"moerun: compiling the {fmt_name} dequantiser (once; cached on disk)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                kernel(data, table, out, 0, 0)  # compile (or load) here, on one thread
-                _ready.add(fmt_name)
+    message = f"moerun: compiling the {fmt_name} dequantiser (once; cached on disk)"
+    first_call(kernel, (data, table, out, 0, 0), message)
     run_in_chunks(kernel, data, table, out, chunk=max(1, _CHUNK_BYTES // block_bytes))
     return torch.from_numpy(out)

@@ -11,7 +11,7 @@ offsets (q4_0's 8, the k-quants' mins) go through per-sub-block sums of x. fp16 
 through an exponent table, as numba has no float16 type.
 
 The first call per format compiles (seconds) and says so on stderr; numba caches the machine code on
-disk (`cache=True`), so later processes only load it.
+disk (`cache=True`), so later processes only load it, and say nothing (`first_call`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 import torch
+from numba.core import event
 
 _jit = numba.njit(nogil=True, cache=True, fastmath=True)
 _inline = numba.njit(inline="always", fastmath=True, cache=True)
@@ -320,7 +321,37 @@ _CHUNK_BYTES = 128 * 1024
 thread_pool = ThreadPoolExecutor(
     max_workers=max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="moerun-matvec"
 )
-_ready: set[str] = set()
+_ready: set[Callable] = set()  # kernels compiled or loaded in this process
+_first_calls = threading.Lock()
+
+
+class _SayWhenCompiling(event.Listener):
+    """Prints `message` on stderr when numba starts compiling `kernel`. Numba broadcasts its
+    "numba:compile" event only on a real compile, never when it loads the kernel from its disk cache."""
+
+    def __init__(self, kernel: Callable, message: str):
+        self.kernel, self.message, self.said = kernel, message, False
+
+    def on_start(self, ev: event.Event) -> None:
+        if ev.data["dispatcher"] is self.kernel and not self.said:
+            self.said = True
+            sys.stdout.flush()  # text already written to stdout stays before the message
+            print(self.message, file=sys.stderr, flush=True)
+
+    def on_end(self, ev: event.Event) -> None:
+        pass
+
+
+def first_call(kernel: Callable, args: tuple, message: str) -> None:
+    """kernel(*args) once per process, on this thread alone, so that numba compiles it (or loads it from
+    its disk cache) before pool threads call it; prints `message` on stderr only if it really compiles."""
+    if kernel in _ready:
+        return
+    with _first_calls:
+        if kernel not in _ready:
+            with event.install_listener("numba:compile", _SayWhenCompiling(kernel, message)):
+                kernel(*args)
+            _ready.add(kernel)
 
 
 class RowChunks:
@@ -378,14 +409,10 @@ def numba_matvec(fmt_name: str, data: torch.Tensor, x: torch.Tensor) -> torch.Te
         xs = reorder(xs)
     out = rows.shape[0]
     y = np.empty(out, np.float32)
-    if fmt_name not in _ready:
-        print(
-            f"moerun: compiling the {fmt_name} decode kernel with numba "
-            "(once; later runs load it from numba's disk cache)",
-            file=sys.stderr,
-            flush=True,
-        )
-        kernel(rows, xs, y, 0, 0)  # compile (or load) here, on one thread
-        _ready.add(fmt_name)
+    message = (
+        f"moerun: compiling the {fmt_name} decode kernel with numba "
+        "(once; later runs load it from numba's disk cache)"
+    )
+    first_call(kernel, (rows, xs, y, 0, 0), message)
     run_in_chunks(kernel, rows, xs, y, chunk=max(1, _CHUNK_BYTES // max(1, rows.shape[1])))
     return torch.from_numpy(y)

@@ -230,6 +230,39 @@ def test_fallbacks_are_said(converted):
     assert any("ffn_down_shexp.weight: rows of 48" in line and "f16" in line for line in log)
 
 
+REPORTED = {
+    "olmoe-q4_k-rows-of-96-rest-bf16": (
+        "experts gate/up q4_k, down q8_0 (rows of 96 are not whole 256-element q4_k blocks); "
+        "other 2-D weights bf16; norms, biases and routers f32"
+    ),
+    "qwen2_moe-q8_0-rest-q8_0": (
+        "experts gate/up q8_0, down q8_0; other 2-D weights q8_0, "
+        "ffn_down_shexp.weight f16 (rows of 48 are not whole 32-element q8_0 blocks); "
+        "norms, biases and routers f32"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REPORTED))
+def test_the_report_says_the_formats_written(case, converted):
+    """Each layer's line and the summary name the formats the file holds (a fallback with its reason),
+    as the gguf package reads them back, not the ones asked for."""
+    *_, out, log = converted(case)
+    types = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(out).tensors}
+    experts = REPORTED[case].split(";")[0].removeprefix("experts ")
+    layers = [line for line in log if re.match(r"moerun quantize: layer \d/2: 4 experts -> ", line)]
+    assert [line.split(" -> ")[1].split(";")[0] for line in layers] == [experts, experts]
+    assert f"moerun quantize: stored: {REPORTED[case]}" in log
+    named = dict(
+        re.findall(r"(?:experts |, )(gate/up|down|\w+\.weight) (\w+)", REPORTED[case].replace(";", ","))
+    )
+    assert types["blk.0.ffn_gate_exps.weight"] == types["blk.0.ffn_up_exps.weight"] == named["gate/up"]
+    assert types["blk.1.ffn_down_exps.weight"] == named["down"]
+    for kind, fmt in named.items():
+        if kind.endswith(".weight"):
+            assert types[f"blk.0.{kind}"] == types[f"blk.1.{kind}"] == fmt, kind
+
+
 @pytest.mark.parametrize("model_type", list(GGUF_OVERRIDES))
 def test_the_tokenizer_read_back_encodes_and_decodes_like_tokenizer_json(model_type, converted):
     case = f"{model_type}-q4_k"

@@ -23,6 +23,11 @@ _EXPERT_PROJECTION = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
 _CHUNK_ELEMENTS = 1 << 22  # rows are converted a slice of about this many elements at a time
 
 
+def _kind(name: str) -> str:
+    """A GGUF tensor name without its layer: blk.3.ffn_down_exps.weight -> ffn_down_exps.weight."""
+    return re.sub(r"^blk\.\d+\.", "", name)
+
+
 class ExportError(ValueError):
     """A conversion moerun refuses; the message says why and what to do."""
 
@@ -58,6 +63,8 @@ class TensorConverter:
     def __init__(self, spec: QuantizeSpec, log: Callable[[str], None]):
         self.spec, self.log = spec, log
         self._said: set[str] = set()
+        # tensor kind (the GGUF name without blk.N.) -> {format stored: why, "" where it was asked for}
+        self.stored: dict[str, dict[str, str]] = {}
 
     def __call__(self, name: str, tensor: Tensor) -> Tensor:
         expert = _EXPERT_PROJECTION.fullmatch(name)
@@ -67,24 +74,46 @@ class TensorConverter:
             return tensor.to(torch.float32).contiguous()
         else:
             fmt = self.spec.rest
-        fmt = self._fitting(name, fmt, tensor.shape[-1])
+        fmt, why = self._fitting(name, fmt, tensor.shape[-1])
+        self.stored.setdefault(_kind(name), {}).setdefault(fmt, why)
         if expert:
             return self._experts(name, tensor, fmt)
         return self._rows(name, tensor, fmt)
 
-    def _fitting(self, name: str, fmt: str, row: int) -> str:
-        """`fmt`, or q8_0 / f16 where rows of `row` elements are not whole blocks of it."""
-        if row % FORMATS[fmt].block_size == 0:
-            return fmt
+    def _fitting(self, name: str, fmt: str, row: int) -> tuple[str, str]:
+        """(`fmt`, "") or, where rows of `row` elements are not whole blocks of it, (q8_0 or f16, why)."""
+        block = FORMATS[fmt].block_size
+        if row % block == 0:
+            return fmt, ""
         fallback = "q8_0" if row % 32 == 0 else "f16"
-        what = re.sub(r"^blk\.\d+\.", "", name)  # one message for all layers
+        what = _kind(name)  # one message for all layers
         if what not in self._said:
             self._said.add(what)
-            block = FORMATS[fmt].block_size
             self.log(
                 f"{what}: rows of {row} are not whole {fmt} blocks of {block}; storing them as {fallback}."
             )
-        return fallback
+        return fallback, f"rows of {row} are not whole {block}-element {fmt} blocks"
+
+    def experts_stored(self) -> str:
+        """The expert projections' formats as stored so far, e.g. "gate/up q4_k, down q8_0 (rows of 96
+        are not whole 256-element q4_k blocks)"."""
+        gate, up, down = (self._formats(f"ffn_{p}_exps.weight") for p in ("gate", "up", "down"))
+        parts = [f"gate/up {gate}"] if gate == up else [f"gate {gate}", f"up {up}"]
+        return ", ".join([*parts, f"down {down}"])
+
+    def summary(self) -> str:
+        """What the file stores: the experts' formats, the other 2-D weights' (kinds stored otherwise
+        named with why), and f32 for the rest."""
+        rest = {
+            kind: f for kind, f in self.stored.items() if not _EXPERT_PROJECTION.fullmatch(f"blk.0.{kind}")
+        }
+        others = [f"{kind} {self._formats(kind)}" for kind, f in rest.items() if set(f) != {self.spec.rest}]
+        weights = ", ".join([f"other 2-D weights {self.spec.rest}", *others])
+        return f"experts {self.experts_stored()}; {weights}; norms, biases and routers f32"
+
+    def _formats(self, kind: str) -> str:
+        formats = self.stored.get(kind, {})
+        return ", ".join(f"{fmt} ({why})" if why else fmt for fmt, why in formats.items()) or "none"
 
     def _experts(self, name: str, t: Tensor, fmt: str) -> QTensor:
         """[E, out, in] quantised one expert at a time; GPT-OSS's MXFP4 is moved, not requantised."""

@@ -7,7 +7,8 @@ Qwen2-MoE shared-expert gate stored [H], GPT-OSS's MLP norm named post_attention
 Formats (moerun.export.convert), as llama.cpp keeps them: expert projections in `spec.experts` (down
 in `spec.down`); 1-D tensors, biases and the router (ffn_gate_inp) in f32; the other 2-D weights in
 `spec.rest`. Rows that are not whole blocks of a format fall back to q8_0 (rows of 32s) or else f16,
-as llama-quantize falls back, and the fallback is said on the log. GPT-OSS's MXFP4 experts become
+as llama-quantize falls back; the fallback is said on the log, and each layer's line and the closing
+summary name the formats stored, not the ones asked for. GPT-OSS's MXFP4 experts become
 GGUF MXFP4 without loss. Before any weight is read, the metadata is read back as `gguf_checkpoint`
 reads it, and a model that the file would describe differently (a sliding window the arch lacks,
 another routing rule) is refused.
@@ -114,9 +115,10 @@ def quantize_checkpoint(
             elapsed = time.perf_counter() - started
             left = elapsed / (layer + 1) * (config.num_layers - layer - 1)
             log(
-                f"layer {layer + 1}/{config.num_layers}: {config.moe.num_experts} experts -> gate/up "
-                f"{spec.experts}, down {spec.down_format} ({elapsed:.0f} s so far, about {left:.0f} s left)"
+                f"layer {layer + 1}/{config.num_layers}: {config.moe.num_experts} experts -> "
+                f"{convert.experts_stored()}; {elapsed:.0f} s so far, about {left:.0f} s left"
             )
+    log(f"stored: {convert.summary()}")
     log(f"writing {out}")
     return writer.write(out, force=force)
 

@@ -1,6 +1,7 @@
 """`moerun inspect`: what a checkpoint holds, read from its header and config without loading a
-weight: architecture, layers, experts, top-k, the format of each kind of tensor, bytes per expert
-and the memory a run needs."""
+weight: architecture, layers, experts, top-k, the format of each kind of tensor, bytes per expert,
+the memory a run needs, and whether it has a tokenizer and a chat template (where moerun looks for
+them: `Tokenizer.from_hf_dir` and `from_gguf_metadata`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 import torch
 
 from moerun.decoder.config import ModelConfig
+from moerun.errors import CheckpointError
 from moerun.loader import GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
+from moerun.loader.json_file import read_json
 from moerun.quant.formats import FLOAT_DTYPES
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
@@ -22,8 +25,11 @@ _EXPERT_TENSOR = re.compile(r"experts|_exps|ffn_(gate|up|down)\.\d+\.")
 _DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()} | {torch.uint8: "u8"}
 
 
-def _tensor_table(path: Path) -> tuple[str, ModelConfig, list[tuple[str, str, tuple[int, ...], int]]]:
-    """(file kind, config, [(name, format, shape, bytes)])."""
+Rows = list[tuple[str, str, tuple[int, ...], int]]  # (name, format, shape, bytes) per tensor
+
+
+def _tensor_table(path: Path) -> tuple[str, ModelConfig, Rows, dict[str, str | None]]:
+    """(file kind, config, rows, what `_gguf_text` or `_hf_text` says of its tokenizer)."""
     if path.is_file() and path.suffix == ".gguf":
         from moerun.checkpoint.gguf import gguf_model_config
 
@@ -32,11 +38,12 @@ def _tensor_table(path: Path) -> tuple[str, ModelConfig, list[tuple[str, str, tu
         for name in gguf.tensor_names():
             info = gguf.info(name)
             rows.append((name, info.type_name.lower(), info.shape, info.nbytes or 0))
-        return "gguf", gguf_model_config(gguf), rows
-    from moerun.checkpoint.load import hf_model_config
+        return "gguf", gguf_model_config(gguf), rows, _gguf_text(gguf.metadata)
+    from moerun.checkpoint.load import hf_model_config, hf_paths
 
-    config = hf_model_config(path if path.is_dir() else path.parent)
-    checkpoint = SafetensorsCheckpoint(path)
+    directory, weights = hf_paths(path)
+    config = hf_model_config(directory)
+    checkpoint = SafetensorsCheckpoint(weights)
     rows = []
     for name in checkpoint.names():
         dtype, shape = checkpoint.dtype(name), checkpoint.shape(name)
@@ -44,13 +51,54 @@ def _tensor_table(path: Path) -> tuple[str, ModelConfig, list[tuple[str, str, tu
         if name.endswith(("_blocks", "_scales")):
             fmt = "mxfp4 (gpt-oss)"
         rows.append((name, fmt, shape, math.prod(shape) * dtype.itemsize))
-    return "safetensors", config, rows
+    return "safetensors", config, rows, _hf_text(directory)
+
+
+def _gguf_text(metadata: dict) -> dict[str, str | None]:
+    """Where a GGUF file's tokenizer and chat template are: its tokenizer.ggml.* and
+    tokenizer.chat_template keys (None: absent)."""
+    model, tokens = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.tokens")
+    size = f", {len(tokens)} tokens" if isinstance(tokens, list) else ""
+    template = metadata.get("tokenizer.chat_template")
+    return {
+        "tokenizer": f"tokenizer.ggml.* ({model}{size})" if isinstance(model, str) else None,
+        "chat_template": "tokenizer.chat_template" if isinstance(template, str) and template else None,
+        "tokenizer_note": None,
+    }
+
+
+def _hf_text(directory: Path) -> dict[str, str | None]:
+    """Where a checkpoint directory's tokenizer and chat template are, as `Tokenizer.from_hf_dir`
+    reads them: tokenizer.json; chat_template.jinja, else tokenizer_config.json's chat_template (a
+    string, or named templates with a "default"). A problem found on the way is the "tokenizer_note"."""
+    found: dict[str, str | None] = {"tokenizer": None, "chat_template": None, "tokenizer_note": None}
+    if (directory / "tokenizer.json").is_file():
+        found["tokenizer"] = "tokenizer.json"
+    elif (directory / "tokenizer.model").is_file():
+        found["tokenizer_note"] = "tokenizer.model alone: moerun reads tokenizer.json"
+    if (directory / "chat_template.jinja").is_file():
+        found["chat_template"] = "chat_template.jinja"
+        return found
+    config_path = directory / "tokenizer_config.json"
+    try:
+        config = read_json(config_path) if config_path.is_file() else {}
+    except CheckpointError as err:
+        found["tokenizer_note"] = str(err)
+        return found
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next(
+            (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
+        )
+    if isinstance(template, str) and template:
+        found["chat_template"] = "tokenizer_config.json"
+    return found
 
 
 def describe(path: str | os.PathLike) -> dict:
     """A JSON-ready summary of the checkpoint at `path`."""
     root = resolve_checkpoint(path)
-    kind, config, rows = _tensor_table(root)
+    kind, config, rows, text = _tensor_table(root)
     groups: dict[str, Counter] = defaultdict(Counter)
     group_bytes: Counter = Counter()
     for name, fmt, _, nbytes in rows:
@@ -75,6 +123,7 @@ def describe(path: str | os.PathLike) -> dict:
         "attention": f"{attn.heads} heads, {attn.kv_heads} kv heads, head_dim {attn.head_dim}",
         "experts_per_layer": config.moe.num_experts,
         "top_k": config.moe.top_k,
+        **text,  # tokenizer, chat_template: where each is (or None); tokenizer_note: a problem found
         "expert_intermediate": config.moe.intermediate,
         "tensors": {p: dict(formats) for p, formats in sorted(groups.items())},
         "tensor_bytes": dict(sorted(group_bytes.items())),
@@ -99,6 +148,13 @@ def _size(n: int) -> str:
     raise AssertionError
 
 
+def _text_line(d: dict) -> str:
+    tokenizer = f"tokenizer in {d['tokenizer']}" if d["tokenizer"] else "no tokenizer (token ids only)"
+    template = f"chat template in {d['chat_template']}" if d["chat_template"] else "no chat template"
+    note = f" ({d['tokenizer_note']})" if d["tokenizer_note"] else ""
+    return f"{tokenizer}; {template}{note}"
+
+
 def format_description(d: dict) -> str:
     lines = [
         f"{d['path']} ({d['file_format']})",
@@ -110,6 +166,7 @@ def format_description(d: dict) -> str:
         f"memory        weights {_size(d['weights_bytes'])} (experts {_size(d['expert_bytes'])}, "
         f"rest {_size(d['other_bytes'])}); KV cache {_size(d['kv_cache_bytes_per_token_bf16'] * 1024)} "
         f"per 1024 tokens (bf16); weights read per decoded token {_size(d['bytes_read_per_token'])}",
+        f"text          {_text_line(d)}",
         "tensors:",
     ]
     width = max(len(p) for p in d["tensors"]) if d["tensors"] else 0

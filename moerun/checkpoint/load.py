@@ -37,6 +37,22 @@ from moerun.text.tokenizer import Tokenizer
 _STREAMED = re.compile(r"\.moe\.experts\.(gate_up|down)$")
 
 
+def hf_paths(root: Path) -> tuple[Path, Path]:
+    """A Hugging Face checkpoint directory, or a file in one (its config.json, a .safetensors file or
+    index) -> (the directory, what `SafetensorsCheckpoint` opens). Any other file is refused: it is
+    neither a checkpoint directory nor (wanting the .gguf name) a GGUF file."""
+    if root.is_dir():
+        return root, root
+    if root.name == "config.json":
+        return root.parent, root.parent
+    if root.name.endswith((".safetensors", ".safetensors.index.json")):
+        return root.parent, root
+    raise CheckpointError(
+        f"{root}: neither a checkpoint directory nor a GGUF file; give a Hugging Face checkpoint "
+        "directory (config.json and .safetensors files) or a file whose name ends in .gguf."
+    )
+
+
 def hf_model_config(directory: Path) -> ModelConfig:
     """The model config.json describes, every field checked (moerun.families.fields)."""
     config = read_hf_config(directory)
@@ -146,9 +162,9 @@ def load(
         gguf = GGUFFile(root)
         model_config = gguf_model_config(gguf)
     else:
-        directory = root if root.is_dir() else root.parent
+        directory, weights = hf_paths(root)
         model_config = hf_model_config(directory)
-        checkpoint = SafetensorsCheckpoint(root)
+        checkpoint = SafetensorsCheckpoint(weights)
     fit = None
     if expert_cache_gb is None and (free := free_device_memory(torch.device(device))) is not None:
         dense, experts = _gguf_bytes(gguf, dtype) if gguf is not None else _hf_bytes(checkpoint, dtype)

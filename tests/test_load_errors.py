@@ -403,7 +403,7 @@ def test_inspect_errors_name_the_file(saved, tmp_path, capsys):
 
 def test_every_tensor_misshaped_is_still_one_short_sentence(saved, tmp_path):
     """Fuzz seed 1 case 1732 (an expert count that fits no expert tensor, in a deep directory) gave
-    a message over 500 characters: now two names per list, each cut to 60 characters."""
+    a message over 500 characters: now two names per list."""
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     path = _copy(saved, deep, edit_config=_set("num_experts", 3))

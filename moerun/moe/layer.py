@@ -331,7 +331,7 @@ def tensor_problems(
 
     def label(key: str) -> str:
         source = sources.get(key, key) if sources else key
-        return shorten(key, 60) + (f" ({shorten(source, 60)})" if source != key else "")
+        return shorten(key, 80) + (f" ({shorten(source, 80)})" if source != key else "")
 
     def listed(names: list[str]) -> str:
         if limit is not None and len(names) > limit:

@@ -22,7 +22,8 @@ ALLOWED = {
     "offload": {"loader", "quant"},
     "moe": {"kernels", "cpu", "quant", "activations.py", "placement.py", "linear.py", "settings.py"},
     "sampling.py": set(),
-    "generate.py": {"text", "sampling.py"},
+    "batching.py": {"text", "sampling.py"},
+    "generate.py": {"batching.py"},
     "decoder": {
         "moe",
         "offload",
@@ -33,6 +34,7 @@ ALLOWED = {
         "placement.py",
         "linear.py",
         "generate.py",
+        "batching.py",
     },  # fmt: skip
     "families": {"decoder", "moe", "activations.py"},
     "perplexity.py": {"decoder"},
@@ -51,6 +53,7 @@ ALLOWED = {
         "export",
         "text",
         "generate.py",
+        "batching.py",
         "activations.py",
         "settings.py",
     },  # fmt: skip
@@ -64,6 +67,7 @@ ALLOWED = {
         "quant",
         "text",
         "sampling.py",
+        "batching.py",
         "perplexity.py",
         "settings.py",
     },  # fmt: skip

@@ -279,3 +279,31 @@ def test_warm_up_leaves_generation_unchanged(checkpoint):
     model, fresh = moerun.load(checkpoint, dtype=torch.float32), moerun.load(checkpoint, dtype=torch.float32)
     model.warm_up()
     assert [t.id for t in model.generate("hello café", 8)] == [t.id for t in fresh.generate("hello café", 8)]
+
+
+def test_generate_prompts_file_runs_a_batch(checkpoint, capsys, tmp_path):
+    """--prompts-file: one record per line, in order, each the tokens the prompt gives alone, with
+    --parallel smaller than the batch (the last prompt joins when a sequence finishes)."""
+    prompts = ["hello café", "a", "", "The quick brown fox"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n", encoding="utf-8")
+    flags = ["--prompts-file", str(tmp_path / "prompts.txt"), "--max-tokens", "6", "--parallel", "2"]
+    args = ["generate", "--model", str(checkpoint), "--dtype", "fp32", *flags, "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    records = [json.loads(line) for line in captured.out.splitlines()]
+    model = moerun.load(checkpoint, dtype=torch.float32)
+    expected = [[t.id for t in model.generate(p, 6)] for p in prompts if p]
+    assert [r["index"] for r in records] == [0, 1, 2]
+    assert [r["ids"] for r in records] == expected
+    assert "batch of 3 prompts (2 at once)" in captured.err
+    assert main(args[:-1]) == 0  # the text form: a header per prompt, then its completion
+    text = capsys.readouterr().out
+    assert text.count("=== prompt ") == 3 and text.index("prompt 1/3") < text.index("prompt 3/3")
+
+
+def test_generate_an_empty_prompts_file_is_one_sentence(checkpoint, capsys, tmp_path):
+    (tmp_path / "empty.txt").write_text("\n\n", encoding="utf-8")
+    args = ["generate", "--model", str(checkpoint), "--prompts-file", str(tmp_path / "empty.txt")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "no prompts" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

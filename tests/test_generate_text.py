@@ -139,7 +139,10 @@ def test_max_new_tokens_none_runs_to_the_context_end(checkpoint):
 @pytest.mark.parametrize(
     "call, error, words",
     [
-        (lambda m: m.generate(["Hi", "Hello"]), TypeError, "one prompt"),
+        (lambda m: m.generate(["Hi", "Hello"], reuse_prefix=True), ValueError, "one prompt"),
+        (lambda m: m.generate(["Hi", "Hello"], max_new_tokens=[2]), ValueError, "1 values for 2 prompts"),
+        (lambda m: m.generate(["Hi", [1, 2.5]]), TypeError, "list of int token ids"),
+        (lambda m: m.generate(["Hi", "Hello"], stop="x"), TypeError, "list of strings"),
         (lambda m: m.generate(3.5), TypeError, "not float"),
         (lambda m: m.generate(torch.tensor([[1, 2]])), TypeError, "1-D"),
         (lambda m: m.generate([1, 2], repeat_penalty=1.1), TypeError, "repetition_penalty"),

@@ -29,6 +29,18 @@ def add_parser(commands) -> None:
     source.add_argument(
         "--prompt-ids", help="the prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed)"
     )
+    source.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help="one prompt per line (- for stdin), run as one batch; each completion printed when all are done",
+    )
+    generate.add_argument(
+        "--parallel",
+        type=int,
+        default=8,
+        metavar="N",
+        help="with --prompts-file: at most N sequences decode together, the next joining as one finishes",
+    )
     add_generation_arguments(generate)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument(
@@ -67,6 +79,8 @@ def _check_arguments(args: argparse.Namespace, err: TextIO) -> dict:
         raise ValueError("--system is a message for the chat template; add --chat.")
     if args.chat and args.prompt_ids is not None:
         raise ValueError("--chat renders a text prompt, --prompt-ids are already tokens; give one.")
+    if args.parallel < 1:
+        raise ValueError(f"--parallel must be >= 1, got {args.parallel}.")
     return dict(options, logprobs=args.logprobs)
 
 
@@ -83,9 +97,19 @@ def _prompt_for_model(model, args: argparse.Namespace, prompt: str | list[int]) 
     return model.tokenizer.encode_chat(messages)
 
 
+def read_prompts(path: str) -> list[str]:
+    """--prompts-file: its non-empty lines, each one prompt."""
+    prompts = [line for line in read_text(path, "--prompts-file").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts-file {path}: no prompts (one per line).")
+    return prompts
+
+
 def run_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     options = _check_arguments(args, err)
+    if args.prompts_file is not None:
+        return _run_batch(args, read_prompts(args.prompts_file), options, out, err)
     prompt = read_prompt(args)
     model = load_with_progress(args, err)
     tokens = model.generate(_prompt_for_model(model, args, prompt), **options)
@@ -109,6 +133,27 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
         out.write("\n")
         err.write(("[stopped] " if code == INTERRUPTED else "") + summary(stats) + "\n")
     return code
+
+
+def _run_batch(args: argparse.Namespace, prompts: list[str], options: dict, out: TextIO, err: TextIO) -> int:
+    """--prompts-file: every prompt in one batch; each completion after a header line (or one JSON
+    record per prompt, in order, with --json); the batch's figures on stderr."""
+    model = load_with_progress(args, err)
+    inputs = [_prompt_for_model(model, args, p) for p in prompts]
+    outputs = model.generate(inputs, parallel=args.parallel, **options)
+    stats = model.stats()
+    for i, (tokens, own) in enumerate(zip(outputs, stats["sequences"], strict=True)):
+        if args.json:
+            out.write(json.dumps({"index": i, **_record(model, tokens, own, args.logprobs)}) + "\n")
+        else:
+            out.write(f"=== prompt {i + 1}/{len(prompts)} ({own['finish_reason']}) ===\n")
+            out.write("".join(t.text for t in tokens) + "\n")
+    err.write(
+        f"batch of {len(prompts)} prompts ({args.parallel} at once): {stats['prompt_tokens']} prompt tokens, "
+        f"generated {stats['new_tokens']} tokens in {stats['steps']} steps, "
+        f"{stats['seconds']:.2f} s ({stats['tok_s']:.1f} tok/s)\n"
+    )
+    return 0
 
 
 def _record(model, tokens: list, stats: dict, logprobs: int) -> dict:

@@ -48,6 +48,29 @@ class Attention:
         start: int,
     ) -> torch.Tensor:
         """x [B, T, H] at positions [start, start + T); writes k, v there in the cache -> [B, T, H]."""
+        q, k, v = self._qkv(x, cos_sin)
+        return self._output(self._cached(q, k, v, cache_k, cache_v, start))
+
+    def ragged(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        segments: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+    ) -> torch.Tensor:
+        """Several sequences' tokens side by side: x [1, N, H], each segment (cache_k, cache_v,
+        start, T) the next T of them at positions [start, start + T) of its own cache, `cos_sin`
+        [N, D/2] at each token's position. The projections see all N tokens at once; each segment
+        attends over its own cache -> [1, N, H]."""
+        q, k, v = self._qkv(x, cos_sin)
+        outs, s = [], 0
+        for cache_k, cache_v, start, T in segments:
+            part = slice(s, s + T)
+            outs.append(self._cached(q[:, :, part], k[:, :, part], v[:, :, part], cache_k, cache_v, start))
+            s += T
+        return self._output(torch.cat(outs, dim=2))
+
+    def _qkv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """x [B, T, H] -> q [B, nh, T, D], k and v [B, nkv, T, D], normed, clipped and rotated."""
         spec, t = self.spec, self.t
         B, T, _ = x.shape
         D, nh, nkv = spec.head_dim, spec.heads, spec.kv_heads
@@ -69,16 +92,24 @@ class Attention:
         cos, sin = cos_sin  # [T, D/2]
         q = Rotary.apply(q.transpose(1, 2), cos, sin)  # [B, nh, T, D]
         k = Rotary.apply(k.transpose(1, 2), cos, sin)  # [B, nkv, T, D]
-        end = start + T
+        return q, k, v.transpose(1, 2)
+
+    def _cached(self, q, k, v, cache_k, cache_v, start: int) -> torch.Tensor:
+        """Write k, v [B, nkv, T, D] at [start, start + T) of the cache; q [B, nh, T, D] attends
+        over the cached keys (sliding layers: the window) -> [B, nh, T, D]."""
+        end = start + q.shape[2]
         cache_k[:, :, start:end] = k
-        cache_v[:, :, start:end] = v.transpose(1, 2)
+        cache_v[:, :, start:end] = v
         first = 0 if self.window is None else max(0, start - self.window + 1)
         keys, values = cache_k[:, :, first:end], cache_v[:, :, first:end]  # [B, nkv, S, D]
         if keys.dtype != q.dtype:  # fp32 activations over a cache in the compute dtype
             keys, values = keys.to(q.dtype), values.to(q.dtype)
-        out = self._attend(q, keys, values, start, first)  # [B, nh, T, D]
-        out = out.transpose(1, 2).reshape(B, T, nh * D)
-        return self._project(out, "o")
+        return self._attend(q, keys, values, start, first)
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, nh, T, D] -> the output projection [B, T, H]."""
+        B, nh, T, D = out.shape
+        return self._project(out.transpose(1, 2).reshape(B, T, nh * D), "o")
 
     def native_decode(self, norm: torch.Tensor, eps: float, cache_dtype: torch.dtype) -> cpu.AttentionDecode:
         """This block, with `norm` (the model's RMSNorm before it, epsilon `eps`), as one native

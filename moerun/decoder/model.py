@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from moerun import cpu
+from moerun.batching import Token
 from moerun.decoder.attention import Attention
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.kv_cache import KVCache
 from moerun.decoder.norm import rms_norm
 from moerun.decoder.rope import Rotary
-from moerun.generate import Generator, Token
+from moerun.generate import Generator
 from moerun.linear import Linear, linear
 from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from moerun.moe.layer import MoELayer, StateDictError, tensor_problems
@@ -154,8 +155,44 @@ class MoEModel:
             raise ContextError(f"{start + T} positions do not fit a KV cache of {cache.capacity}.")
         if self._native_decode and ids.shape == (1, 1):
             return self._decode_native(ids, cache)
-        eps = self.config.norm_eps
         positions = torch.arange(start, start + T, device=self.device)
+
+        def attend(i: int, attn: Attention, h: torch.Tensor, cos_sin) -> torch.Tensor:
+            return attn(h, cos_sin, cache.keys[i], cache.values[i], start)
+
+        x = self._run(ids, positions, attend)
+        cache.length = start + T
+        return x
+
+    def forward_sequences(self, chunks: Sequence[torch.Tensor], caches: Sequence[KVCache]) -> torch.Tensor:
+        """Several sequences' next tokens in one pass: chunks[i] (1-D ids) at caches[i]'s next
+        positions -> the final hidden state at each chunk's last position [S, H]; advances each
+        cache. Embedding, norms, projections and the MoE layers see all the tokens as one batch (an
+        expert that several sequences chose is read once); attention runs per sequence over its own
+        cache. One sequence is `forward`, the same computation as running it alone."""
+        if len(chunks) == 1:
+            return self.forward(chunks[0].view(1, -1), caches[0])[0, -1:]
+        lengths = [len(c) for c in chunks]
+        for cache, T in zip(caches, lengths, strict=True):
+            if cache.length + T > cache.capacity:
+                raise ContextError(f"{cache.length + T} positions do not fit a KV cache of {cache.capacity}.")
+        spans = [(c.length, c.length + T) for c, T in zip(caches, lengths, strict=True)]
+        positions = torch.cat([torch.arange(a, b, device=self.device) for a, b in spans])
+
+        def attend(i: int, attn: Attention, h: torch.Tensor, cos_sin) -> torch.Tensor:
+            segments = [(c.keys[i], c.values[i], c.length, T) for c, T in zip(caches, lengths, strict=True)]
+            return attn.ragged(h, cos_sin, segments)
+
+        x = self._run(torch.cat(list(chunks)).view(1, -1), positions, attend)
+        for cache, T in zip(caches, lengths, strict=True):
+            cache.length += T
+        ends = torch.tensor(lengths).cumsum(0) - 1
+        return x[0, ends.to(x.device)]
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """ids [B, T] at `positions` [T] -> final hidden states [B, T, H]; `attend(i, attention, h,
+        cos_sin)` runs layer i's attention on normed hidden states h against the right cache."""
+        eps = self.config.norm_eps
         # quantised linears on the native kernels compute in fp32: the activations stay fp32 between
         # them (as in a decode step), no round trips through the compute dtype; the KV cache keeps it
         act_dtype = torch.float32 if self._fp32_activations else self.dtype
@@ -166,25 +203,17 @@ class MoEModel:
         # each MoE layer's router-logit check, read back once for the whole pass rather than once a
         # layer (a host sync per layer would stall a GPU between layers)
         checks: list[RouterCheck] = []
-        x = self._layers(x, cos_sin, cache, start, checks)
-        raise_on_bad_router_logits(checks)
-        cache.length = start + T
-        if self.expert_cache is not None:
-            self.expert_cache.end_step()
-        return rms_norm(x, self.norm, eps).to(self.dtype)
-
-    def _layers(
-        self, x: torch.Tensor, cos_sin, cache: KVCache, start: int, checks: list[RouterCheck]
-    ) -> torch.Tensor:
-        eps = self.config.norm_eps
         for i, (attn, mlp) in enumerate(zip(self.attentions, self.mlps, strict=True)):
-            x = x + attn(rms_norm(x, self.attn_norms[i], eps), cos_sin, cache.keys[i], cache.values[i], start)
+            x = x + attend(i, attn, rms_norm(x, self.attn_norms[i], eps), cos_sin)
             h = rms_norm(x, self.mlp_norms[i], eps)
             if not self.config.moe_layers[i]:
                 x = x + mlp(h)
                 continue
             x = x + mlp(h, after_fetch=self._after_fetch(i, x), router_checks=checks)
-        return x
+        raise_on_bad_router_logits(checks)
+        if self.expert_cache is not None:
+            self.expert_cache.end_step()
+        return rms_norm(x, self.norm, eps).to(self.dtype)
 
     def _decode_native(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """`forward` of one token of one sequence on the native kernels. The residual stream stays

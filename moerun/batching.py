@@ -1,0 +1,287 @@
+"""Continuous batching: several generations advanced together, one forward pass per step.
+
+A `Batch` holds the running sequences, each with its own KV cache, sampler, token budget and stop
+strings. Each `step` feeds every sequence its next input (a chunk of the prompt it has not read yet,
+or the token it picked last) to one `MoEModel.forward_sequences` pass, where the MoE layers see all
+the step's tokens as one batch, so an expert that several sequences chose is read once. Then each
+sequence whose input is all read picks its next token from its last position's logits
+(moerun.sampling), and the tokens it releases come back. Sequences join between steps (`add`) and
+leave when they finish (an end-of-sequence id, a stop string, their budget or their context) or are
+cancelled, without stalling the rest. `model.generate` runs one on one prompt or a list of them;
+a server adds requests as they come.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from moerun.sampling import Sampler, SamplingParams, token_logprobs
+from moerun.text.stops import StopMatcher
+from moerun.text.tokenizer import StreamDecoder, Tokenizer
+
+if TYPE_CHECKING:
+    from moerun.decoder.kv_cache import KVCache
+    from moerun.decoder.model import MoEModel
+
+# a sequence's finish_reason: "stop" (an end-of-sequence id or a stop string), "length" (its token
+# budget), "context" (its context filled first), "cancelled"; None while it runs
+FINISH_REASONS = ("stop", "length", "context", "cancelled")
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token: its id, the text it completes ("" without a tokenizer) and, when asked
+    for (`logprobs=N`), its log-probability and the N most likely (id, log-probability) pairs."""
+
+    id: int
+    text: str = ""
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation as asked for, checked (`Request.make`): prompt ids, at most `max_new_tokens`
+    new tokens (None: until the context is full), sampling, stop strings, `logprobs` alternatives
+    per token and the context in positions, prompt included."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int | None
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0
+    context: int = 1
+
+    @classmethod
+    def make(
+        cls,
+        model: MoEModel,
+        prompt,
+        max_new_tokens: int | None = 128,
+        stop: Sequence[str] = (),
+        logprobs: int = 0,
+        ctx_size: int | None = None,
+        **sampling,
+    ) -> Request:
+        """A Request for `model`, every argument checked (ValueError or TypeError naming it):
+        `prompt` text (which needs the model's tokenizer) or ids, `max_new_tokens` -1 or None for
+        no limit, `ctx_size` None for the model's context, sampling options as SamplingParams."""
+        params = SamplingParams.from_options(**sampling)
+        if max_new_tokens is not None and (not _integer(max_new_tokens) or max_new_tokens < -1):
+            raise ValueError(
+                f"max_new_tokens must be an integer >= 0, or -1 or None for no limit, got {max_new_tokens!r}."
+            )
+        if not _integer(logprobs) or logprobs < 0:
+            raise ValueError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}.")
+        if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
+            raise TypeError("stop is a list of strings.")
+        ids = prompt_ids(prompt, model.tokenizer)
+        if not ids:
+            raise ValueError("A prompt needs at least one token.")
+        model.check_ids(torch.tensor(ids))
+        longest = model.config.max_positions
+        context = longest if ctx_size is None else ctx_size
+        if not _integer(context) or not 0 < context <= longest:
+            raise ValueError(f"ctx_size must be in [1, {longest}] (this model's context), got {ctx_size!r}.")
+        if len(ids) > context:
+            raise ValueError(f"The prompt's {len(ids)} tokens do not fit a context of {context} positions.")
+        budget = None if max_new_tokens in (None, -1) else max_new_tokens
+        return cls(tuple(ids), budget, params, tuple(stop), logprobs, context)
+
+
+def prompt_ids(prompt, tokenizer: Tokenizer | None) -> list[int]:
+    """One prompt (text, which needs a tokenizer, or token ids) -> its ids; other types refused."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("This checkpoint has no tokenizer, so the prompt must be token ids.")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
+            raise TypeError(
+                f"A prompt tensor must be 1-D integer token ids, not {prompt.dtype} "
+                f"of shape {list(prompt.shape)}."
+            )
+        return prompt.tolist()
+    if isinstance(prompt, Sequence) and all(_integer(i) for i in prompt):
+        return list(prompt)
+    raise TypeError(f"A prompt is a str or a list of int token ids, not {type(prompt).__name__}.")
+
+
+class TextRelease:
+    """One sequence's tokens in, the same tokens with their text out, held back where the text may
+    begin a stop string or ends inside a character. At a stop, of the held tokens and the last only
+    those the released text needs come out; the stop string itself never does."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.decoder, self.stops = StreamDecoder(tokenizer), StopMatcher(stop)
+        self.waiting: list[Token] = []
+        self.output: list[int] = []  # the ids released so far
+        self.written = 0  # characters of text released so far
+
+    def push(self, token: Token, last: bool) -> tuple[list[Token], bool]:
+        """`token` (`last`: the generation ends after it) -> (the tokens released now, whether a
+        stop string began)."""
+        text, stopped = self.stops.push(self.decoder.push(token.id))
+        if last and not stopped:  # the generation ends: release what was held back
+            tail, stopped = self.stops.push(self.decoder.flush())
+            text += tail + ("" if stopped else self.stops.flush())
+        waiting = self.waiting
+        if stopped:
+            waiting.append(token)
+            needed = self._covering(waiting, self.written + len(text))
+            waiting = waiting[: max(needed, 1 if text else 0)]
+        if text or (last and not stopped) or (stopped and waiting):
+            *before, final = waiting if stopped else [*waiting, token]
+            released = [*before, Token(final.id, text, final.logprob, final.top_logprobs)]
+            self.output += [t.id for t in released]
+            self.written += len(text)
+            self.waiting = []
+            return released, stopped
+        if not stopped:
+            waiting.append(token)
+        return [], stopped
+
+    def _covering(self, candidates: list[Token], length: int) -> int:
+        """How many of `candidates`, after the ids released, it takes to decode to `length` characters."""
+        decode = self.tokenizer.decode
+        n = 0
+        while n < len(candidates) and len(decode(self.output + [t.id for t in candidates[:n]])) < length:
+            n += 1
+        return n
+
+
+class Generation:
+    """One generation in a batch: its cache holds `seen[:cache.length]` (prompt, then output), and
+    its next input is whatever of `seen` the cache does not hold yet."""
+
+    def __init__(self, model: MoEModel, request: Request, prefix: tuple[KVCache, list[int]] | None = None):
+        self.request = request
+        prompt = list(request.prompt)
+        budget = request.max_new_tokens
+        wanted = None if budget is None else len(prompt) + budget
+        total = request.context if wanted is None else min(wanted, request.context)  # prompt + new tokens
+        self.ran_out = "length" if total == wanted else "context"  # why it ends if no EOS comes first
+        self.steps_left = total - len(prompt)
+        self.eos = set(model.config.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else set())
+        self.cache = model.new_cache(1, max(total, 1))
+        self.seen = prompt
+        reused = self._reuse(*prefix) if prefix is not None else 0
+        self.sampler = Sampler(request.params)
+        self.text = TextRelease(model.tokenizer, request.stop) if model.tokenizer is not None else None
+        self.stats = {
+            "prompt_tokens": len(prompt),
+            "reused_tokens": reused,
+            "prefill_s": 0.0,
+            "new_tokens": 0,
+            "decode_s": 0.0,
+            "context": request.context,
+            "finish_reason": None if self.steps_left else self.ran_out,
+        }
+
+    @property
+    def finished(self) -> bool:
+        return self.stats["finish_reason"] is not None
+
+    def next_input(self, limit: int) -> list[int]:
+        """At most `limit` of the ids the cache does not hold yet."""
+        start = self.cache.length
+        return self.seen[start : start + limit]
+
+    def pick(self, logits: torch.Tensor) -> list[Token]:
+        """The next token from its logits [V] -> the tokens this releases (finishing the sequence
+        when it is an end-of-sequence id, completes a stop string, or the last there is room for)."""
+        next_id = self.sampler(logits, self.seen)
+        self.seen.append(next_id)
+        token = Token(next_id)
+        if self.request.logprobs:
+            logprob, top = token_logprobs(logits, next_id, self.request.logprobs)
+            token = Token(next_id, logprob=logprob, top_logprobs=top)
+        self.steps_left -= 1
+        self.stats["new_tokens"] += 1
+        last = next_id in self.eos or self.steps_left == 0
+        released, stopped = self.text.push(token, last) if self.text is not None else ([token], False)
+        if stopped or last:
+            self.stats["finish_reason"] = "stop" if stopped or next_id in self.eos else self.ran_out
+        return released
+
+    def _reuse(self, old: KVCache, old_ids: list[int]) -> int:
+        """Copy into this cache the longest run of positions `old` holds that starts the prompt (all
+        but its last token: that one's logits are needed) -> how many."""
+        limit = min(old.length, len(self.seen) - 1, self.cache.capacity)
+        n = 0
+        while n < limit and old_ids[n] == self.seen[n]:
+            n += 1
+        new, old_layers = self.cache.keys + self.cache.values, old.keys + old.values
+        for new_layer, old_layer in zip(new, old_layers, strict=True):
+            new_layer[:, :, :n].copy_(old_layer[:, :, :n])
+        self.cache.length = n
+        return n
+
+
+class Batch:
+    """The running sequences of one model, stepped together."""
+
+    def __init__(self, model: MoEModel):
+        self.model = model
+        self.running: list[Generation] = []
+
+    def add(self, request: Request, prefix: tuple[KVCache, list[int]] | None = None) -> Generation:
+        """Start `request` (joining at the next step); `prefix`: a cache and the ids it holds, whose
+        positions that begin this prompt are copied rather than computed again."""
+        sequence = Generation(self.model, request, prefix)
+        if not sequence.finished:
+            self.running.append(sequence)
+        return sequence
+
+    def cancel(self, sequence: Generation) -> None:
+        """Stop `sequence` now (a client gone): it leaves at once, its cache freed with it."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+            sequence.stats["finish_reason"] = "cancelled"
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Generation, list[Token]]]:
+        """One forward pass over every running sequence's next input -> (sequence, the tokens it
+        released) for each that picked a token; finished sequences leave. Each sequence reading its
+        prompt takes a chunk of it, within a step's budget of `prefill_chunk` tokens (the decoding
+        sequences' one token each come first), so a long prompt joins over several steps."""
+        decoding = sum(1 for s in self.running if s.stats["new_tokens"])
+        room = max(self.model.prefill_chunk - decoding, 0)  # prompt tokens this step
+        stepping, inputs = [], []
+        for s in self.running:
+            if s.stats["new_tokens"]:
+                ids = s.next_input(1)
+            elif room > 0:
+                ids = s.next_input(room)
+                room -= len(ids)
+            else:
+                continue
+            stepping.append(s)
+            inputs.append(torch.tensor(ids, dtype=torch.long))
+        if not stepping:
+            return []
+        decoded = [s.stats["new_tokens"] > 0 for s in stepping]  # else this step's time is prefill's
+        start = time.perf_counter()
+        hidden = self.model.forward_sequences(inputs, [s.cache for s in stepping])  # [S, H]
+        ready = [i for i, s in enumerate(stepping) if s.cache.length == len(s.seen)]
+        out = []
+        if ready:
+            rows = hidden[0] if len(stepping) == 1 else hidden[torch.tensor(ready)]  # [H] or [S', H]
+            logits = self.model.hidden_logits(rows)
+            for j, i in enumerate(ready):
+                out.append((stepping[i], stepping[i].pick(logits if logits.dim() == 1 else logits[j])))
+        elapsed = time.perf_counter() - start
+        for s, was_decoding in zip(stepping, decoded, strict=True):
+            s.stats["decode_s" if was_decoding else "prefill_s"] += elapsed
+        self.running = [s for s in self.running if not s.finished]
+        return out

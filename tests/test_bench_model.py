@@ -144,3 +144,15 @@ def test_model_without_a_path_is_still_the_generated_model(monkeypatch, capsys):
     assert main(["bench", "--model", "--layers", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"ran": True}
     assert calls[0]["layers"] == 1 and calls[0]["prompt_tokens"] == 512
+
+
+def test_batch_bench_runs_both_sides_on_the_same_tokens(capsys):
+    """`moerun bench --model --batch`: in fp32 on a tiny model, moerun's batch and transformers'
+    batched generate pick the same greedy tokens at every batch size."""
+    from moerun.bench.batch import format_batch_table, run_batch_bench
+
+    r = run_batch_bench(layers=2, dtype="fp32", sizes=(1, 3), new_tokens=4, repeats=1, shape=TINY_OLMOE)
+    assert [row["batch"] for row in r["rows"]] == [1, 3]
+    assert all(row["same_greedy_tokens"] for row in r["rows"])
+    assert r["rows"][0]["scaling"] == 1.0 and all(row["tok_s"] > 0 for row in r["rows"])
+    assert "transformers" in format_batch_table(r)

@@ -70,6 +70,12 @@ def add_parser(commands) -> None:
         action="store_true",
         help="with --offload: routing the next layer's router predicts exactly (prefetch's best case)",
     )
+    bench.add_argument(
+        "--batch",
+        metavar="SIZES",
+        help="with --model (generated): batched generation at these batch sizes, e.g. 1,4,8, against "
+        "transformers' batched generate",
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=run)
 
@@ -119,6 +125,23 @@ def run(args: argparse.Namespace) -> int:
         )
         print(json.dumps(results) if args.json else format_offload_table(results))
         return 0
+    if args.batch is not None and args.model != "":
+        raise SystemExit("moerun bench: --batch runs on the generated model; give --model without a PATH.")
+    if args.batch is not None:
+        from moerun.bench.batch import format_batch_table, run_batch_bench
+
+        results = run_batch_bench(
+            layers=args.layers or 2,
+            dtype=args.dtype,
+            sizes=_sizes(args.batch),
+            new_tokens=args.decode_steps,
+            repeats=args.repeats,
+            device=args.device,
+            backend=args.backend,
+            log=log,
+        )
+        print(json.dumps(results) if args.json else format_batch_table(results))
+        return 0
     if args.model is not None:
         from moerun.bench.model import format_model_table, run_model_bench
 
@@ -150,6 +173,17 @@ def run(args: argparse.Namespace) -> int:
     )
     print(json.dumps(results) if args.json else format_table(results))
     return 0
+
+
+def _sizes(text: str) -> list[int]:
+    """--batch 1,4,8 -> [1, 4, 8]."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"moerun bench: --batch takes batch sizes >= 1 separated by commas, not {text!r}.")
+    return sizes
 
 
 def _formats(args: argparse.Namespace) -> dict[str, str] | None:

@@ -187,7 +187,8 @@ def generation_options(args: argparse.Namespace, err: TextIO) -> dict:
     if unused := SamplingParams(**sampling).unused():
         flags = ", ".join(SAMPLING_FLAGS[name] for name in unused)
         err.write(
-            f"moerun {args.command}: {flags} only apply when sampling; add --temperature (> 0) to sample.\n"
+            f"moerun {args.command}: {flags} {'applies' if len(unused) == 1 else 'apply'} only when "
+            "sampling; add --temperature (> 0) to sample.\n"
         )
     return dict(sampling, stop=args.stop, max_new_tokens=args.max_tokens, ctx_size=args.ctx_size)
 

@@ -200,7 +200,7 @@ class Generation:
     def pick(self, logits: torch.Tensor) -> list[Token]:
         """The next token from its logits [V] -> the tokens this releases (finishing the sequence
         when it is an end-of-sequence id, completes a stop string, or the last there is room for)."""
-        next_id = self.sampler(logits, self.seen)
+        next_id = self.sampler(logits, self.seen, self.seen[len(self.request.prompt) :])
         self.seen.append(next_id)
         token = Token(next_id)
         if self.request.logprobs:

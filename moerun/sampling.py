@@ -20,6 +20,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off; >1 discourages tokens already in prompt or output
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token already output
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was already output
     seed: int | None = None
 
     def __post_init__(self):
@@ -57,6 +59,8 @@ _RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1] (1: off)"),
     "min_p": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1] (0: off)"),
     "repetition_penalty": (lambda v: _number(v) and v > 0, "a number > 0 (1: off)"),
+    "presence_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2] (0: off)"),
+    "frequency_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2] (0: off)"),
     "seed": (lambda v: v is None or _integer(v), "an integer or None"),
 }
 
@@ -88,6 +92,17 @@ def penalise_repeats(logits: torch.Tensor, seen: Sequence[int], penalty: float) 
     out = logits.clone()
     out[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
     return out
+
+
+def penalise_output(
+    logits: torch.Tensor, output: Sequence[int], presence: float, frequency: float
+) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties: each token already in `output` loses `presence`,
+    and `frequency` times its count, from its logit."""
+    if (presence == 0 and frequency == 0) or not output:
+        return logits
+    counts = torch.bincount(torch.tensor(output), minlength=logits.numel())[: logits.numel()].float()
+    return logits - presence * (counts > 0).float() - frequency * counts
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -131,9 +146,12 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, seen: Sequence[int] = ()) -> int:
-        """logits [V] -> the next token id; `seen`: the ids of the prompt and the output so far."""
-        logits = penalise_repeats(logits.float().cpu(), seen, self.params.repetition_penalty)
+    def __call__(self, logits: torch.Tensor, seen: Sequence[int] = (), output: Sequence[int] = ()) -> int:
+        """logits [V] -> the next token id; `seen`: the ids of the prompt and the output so far,
+        `output`: the output's alone (the presence and frequency penalties count only those)."""
+        p = self.params
+        logits = penalise_repeats(logits.float().cpu(), seen, p.repetition_penalty)
+        logits = penalise_output(logits, output, p.presence_penalty, p.frequency_penalty)
         if self.params.greedy:
             return int(torch.argmax(logits))
         probs = filtered_logits(logits, self.params).softmax(-1)

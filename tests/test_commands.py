@@ -58,6 +58,7 @@ def test_generate_chat_flag_uses_the_template(checkpoint, capsys):
 class Args:
     command, model, system, max_tokens, ctx_size = "chat", "tiny", None, 6, None
     temperature, top_k, top_p, min_p, repeat_penalty, seed, stop = 0.0, 0, 1.0, 0.0, 1.0, None, []
+    presence_penalty = frequency_penalty = 0.0
 
     def __init__(self, **values):
         self.__dict__.update(values)

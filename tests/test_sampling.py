@@ -104,3 +104,21 @@ def test_check_sampling_names_options_as_the_caller_calls_them():
 def test_greedy_names_the_options_it_does_not_use():
     assert SamplingParams(top_k=5, seed=2, repetition_penalty=1.2).unused() == ["top_k", "seed"]
     assert SamplingParams(temperature=0.7, top_k=5).unused() == []
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    """OpenAI's documented rule, token by token: mu[j] - c[j] * frequency - (c[j] > 0) * presence,
+    c[j] the times token j was output; the prompt does not count."""
+    from moerun.sampling import penalise_output
+
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    output = [3, 3, 7, 3, 11]
+    got = penalise_output(logits, output, presence=0.5, frequency=0.25)
+    for j in range(12):
+        c = output.count(j)
+        assert abs(float(got[j]) - (float(logits[j]) - c * 0.25 - (0.5 if c else 0.0))) <= 1e-6
+    # greedy with a strong frequency penalty moves off a token it keeps repeating
+    sampler = Sampler(SamplingParams(frequency_penalty=2.0))
+    peaked = torch.zeros(12)
+    peaked[3], peaked[5] = 3.0, 2.0
+    assert sampler(peaked, seen=[1, 3], output=[]) == 3 and sampler(peaked, seen=[1, 3], output=[3]) == 5

@@ -24,6 +24,8 @@ SAMPLING_FLAGS = {
     "top_p": "--top-p",
     "min_p": "--min-p",
     "repetition_penalty": "--repeat-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
     "seed": "--seed",
 }
 
@@ -115,6 +117,15 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeat-penalty", type=float, default=1.0, help="> 1 discourages tokens already seen (1: off)"
+    )
+    parser.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtracted from tokens already output (0: off)"
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted once per time a token was already output (0: off)",
     )
     parser.add_argument("--seed", type=int, default=None, help="with --temperature: same seed, same text")
     parser.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")

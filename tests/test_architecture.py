@@ -57,8 +57,10 @@ ALLOWED = {
         "activations.py",
         "settings.py",
     },  # fmt: skip
+    "serve": {"batching.py"},
     "cli": {
         "moerun",
+        "serve",
         "bench",
         "checkpoint",
         "export",

@@ -6,10 +6,10 @@ import argparse
 import sys
 
 import moerun
-from moerun.cli import bench, chat, generate, inspect, perplexity, quantize
+from moerun.cli import bench, chat, generate, inspect, perplexity, quantize, serve
 from moerun.cli.common import INTERRUPTED, HelpFormatter
 
-SUBCOMMANDS = (bench, generate, chat, perplexity, inspect, quantize)
+SUBCOMMANDS = (bench, generate, chat, serve, perplexity, inspect, quantize)
 
 
 def build_parser() -> argparse.ArgumentParser:

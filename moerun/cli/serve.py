@@ -1,0 +1,77 @@
+"""`moerun serve`: the OpenAI API over HTTP (moerun.serve), on loopback unless told otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from pathlib import Path
+
+from moerun.cli.common import add_model_arguments, check_model_arguments, load_with_progress
+
+
+def add_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="serve the OpenAI API (chat/completions, completions, models)")
+    add_model_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port")
+    serve.add_argument(
+        "-np", "--parallel", type=int, default=4, help="sequences decoded together (continuous batching)"
+    )
+    serve.add_argument(
+        "--queue-size", type=int, default=64, help="requests that may wait for a slot; more get 503"
+    )
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /tokenize"
+    )
+    serve.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=4096,
+        help="positions per sequence, prompt included (capped at the model's)",
+    )
+    serve.add_argument(
+        "--alias", default=None, help="the model's name in the API (default: the path's last part)"
+    )
+    serve.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    for flag, value, low in (
+        ("--parallel", args.parallel, 1),
+        ("--queue-size", args.queue_size, 0),
+        ("--ctx-size", args.ctx_size, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}.")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}.")
+    check_model_arguments(args)
+    from moerun.serve.server import _uvicorn, serve
+
+    _uvicorn()  # the extra is there before anything loads
+    name = args.alias or Path(args.model.rstrip("/")).name
+
+    def load():
+        return load_with_progress(args, io.StringIO() if not sys.stderr.isatty() else sys.stderr)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log(
+        f"moerun serve: loading {args.model}; http://{args.host}:{args.port} answers /health with 503 "
+        "until it is ready"
+    )
+    serve(
+        load,
+        name,
+        host=args.host,
+        port=args.port,
+        parallel=args.parallel,
+        queue_size=args.queue_size,
+        api_key=args.api_key,
+        ctx_size=args.ctx_size,
+        log=log,
+    )
+    return 0

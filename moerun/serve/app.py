@@ -1,0 +1,362 @@
+"""The HTTP side of `moerun serve`: a Starlette application speaking OpenAI's API over the
+scheduler (moerun.serve.scheduler). Each completion request is checked (moerun.serve.protocol),
+submitted, and answered whole or streamed as server-sent events (`data: {chunk}` lines, then
+`data: [DONE]`); a client that goes away mid-request has its job cancelled, which frees its slot
+before the next step. Errors come in OpenAI's JSON shape with their status; nothing a client sends
+takes the server down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from moerun.serve import protocol
+from moerun.serve.protocol import APIError, Body, bad
+from moerun.serve.scheduler import Job, QueueFull, Scheduler
+
+MAX_BODY = 4 << 20  # bytes of a request body
+POLL_S = 0.25  # how often a whole-response request checks that its client is still there
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the model and its scheduler once loaded (None while loading)."""
+
+    model_name: str
+    ctx_size: int | None = None
+    api_key: str | None = None
+    model: object | None = None
+    scheduler: Scheduler | None = None
+    load_error: str | None = None
+    started: float = field(default_factory=time.time)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def build_app(state: ServerState) -> Starlette:
+    async def read_body(request: HTTPRequest) -> Body:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY:
+            raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > MAX_BODY:
+                raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
+            chunks.append(chunk)
+        try:
+            data = json.loads(b"".join(chunks))
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deep, too many digits
+            raise bad(f"The request body is not valid JSON: {str(e)[:120]}") from None
+        return Body(data)
+
+    def check_key(request: HTTPRequest) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {state.api_key}":
+            raise APIError(
+                401,
+                "Missing or incorrect API key (send 'Authorization: Bearer KEY').",
+                None,
+                "invalid_api_key",
+            )
+
+    def ready() -> tuple[object, Scheduler]:
+        if state.model is None or state.scheduler is None:
+            message = (
+                f"The model failed to load: {state.load_error}"
+                if state.load_error
+                else "The model is loading."
+            )
+            raise APIError(503, message, None, "model_not_ready")
+        return state.model, state.scheduler
+
+    def check_model_name(body: Body) -> None:
+        name = body.text("model")
+        if name is not None and name != state.model_name:
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
+                "model",
+                "model_not_found",
+            )
+
+    def context_of(model) -> int:
+        longest = model.config.max_positions
+        return min(state.ctx_size or longest, longest)
+
+    def guarded(handler):
+        async def endpoint(request: HTTPRequest) -> Response:
+            try:
+                return await handler(request)
+            except APIError as e:
+                return error_response(e)
+            except Exception as e:  # a bug of ours: one JSON error, the server stays up
+                return error_response(APIError(500, f"Internal error: {type(e).__name__}: {str(e)[:200]}"))
+
+        return endpoint
+
+    # --- completions ---
+
+    async def completions(request: HTTPRequest, chat: bool) -> Response:
+        check_key(request)
+        body = await read_body(request)
+        model, scheduler = ready()
+        check_model_name(body)
+        context = context_of(model)
+        kwargs, options = protocol.generation_options(body, chat, context)
+        if chat:
+            if model.tokenizer is None:
+                raise bad("This model has no tokenizer, so it cannot chat.", "messages")
+            messages = protocol.chat_messages(body)
+            try:
+                prompt = model.tokenizer.encode_chat(messages)
+            except ValueError as e:  # no template, or one that refuses these messages
+                raise bad(str(e)[:300], "messages") from None
+        else:
+            prompt = protocol.completion_prompt(body)
+            if isinstance(prompt, str) and model.tokenizer is None:
+                raise bad("This model has no tokenizer, so the prompt must be token ids.", "prompt")
+        job_request = protocol.make_request(model, prompt, kwargs, context)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            job = scheduler.submit(job_request, sink)
+        except QueueFull as e:
+            raise APIError(503, f"The server is busy: {e} Retry later.", None, "queue_full") from None
+        kind = "chat.completion" if chat else "text_completion"
+        response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        if options.stream:
+            return StreamingResponse(
+                _stream(model, scheduler, job, events, chat, options, response_id),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        tokens, stats = await _collect(request, scheduler, job, events)
+        text = "".join(t.text for t in tokens)
+        finish = protocol.FINISH.get(stats["finish_reason"], "stop")
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            choice["logprobs"] = (
+                protocol.chat_logprobs(model.tokenizer, tokens, options.logprobs)
+                if options.want_logprobs
+                else None
+            )
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish}
+            choice["logprobs"] = (
+                protocol.completion_logprobs(model.tokenizer, tokens, options.logprobs)
+                if options.want_logprobs
+                else None
+            )
+        return JSONResponse(
+            protocol.envelope(kind, response_id, state.model_name, [choice], usage=protocol.usage(stats))
+        )
+
+    async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events: asyncio.Queue):
+        tokens = []
+        try:
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(events.get(), POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        scheduler.cancel(job)
+                        raise APIError(499, "The client went away.") from None
+                    continue
+                if kind == "tokens":
+                    tokens += payload
+                elif kind == "done":
+                    return tokens, payload
+                else:
+                    raise APIError(500, str(payload))
+        except asyncio.CancelledError:
+            scheduler.cancel(job)
+            raise
+
+    async def _stream(model, scheduler, job, events, chat, options, response_id) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: dict, **extra) -> str:
+            data = protocol.envelope(kind, response_id, state.model_name, [choice] if choice else [], **extra)
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        offset = 0
+        try:
+            if chat:
+                yield chunk(
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            while True:
+                event, payload = await events.get()
+                if event == "tokens":
+                    text = "".join(t.text for t in payload)
+                    if chat:
+                        logprobs = (
+                            protocol.chat_logprobs(model.tokenizer, payload, options.logprobs)
+                            if options.want_logprobs
+                            else None
+                        )
+                        choice = {
+                            "index": 0,
+                            "delta": {"content": text},
+                            "logprobs": logprobs,
+                            "finish_reason": None,
+                        }
+                    else:
+                        logprobs = (
+                            protocol.completion_logprobs(model.tokenizer, payload, options.logprobs, offset)
+                            if options.want_logprobs
+                            else None
+                        )
+                        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
+                    offset += len(text)
+                    yield chunk(choice)
+                elif event == "done":
+                    finish = protocol.FINISH.get(payload["finish_reason"], "stop")
+                    last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+                    yield chunk({**last, "logprobs": None, "finish_reason": finish})
+                    if options.include_usage:
+                        yield chunk({}, usage=protocol.usage(payload))
+                    break
+                else:
+                    error = APIError(500, str(payload))
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the generator is closed) or the answer is complete
+            scheduler.cancel(job)
+
+    # --- the rest ---
+
+    async def models(request: HTTPRequest) -> Response:
+        check_key(request)
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "moerun",
+        }
+        if state.model is not None:
+            card["max_model_len"] = context_of(state.model)
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: HTTPRequest) -> Response:
+        ready()
+        return JSONResponse({"status": "ok"})
+
+    async def tokenize(request: HTTPRequest) -> Response:
+        check_key(request)
+        body = await read_body(request)
+        model, _ = ready()
+        if model.tokenizer is None:
+            raise bad("This model has no tokenizer.")
+        text = body.text("content") if body.has("content") else body.text("prompt")
+        if text is None:
+            raise bad("Give the text as 'content' (or 'prompt').", "content")
+        ids = model.tokenizer.encode(text, add_special_tokens=body.flag("add_special", True))
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": context_of(model)})
+
+    async def detokenize(request: HTTPRequest) -> Response:
+        check_key(request)
+        body = await read_body(request)
+        model, _ = ready()
+        if model.tokenizer is None:
+            raise bad("This model has no tokenizer.")
+        ids = body.data.get("tokens")
+        vocab = model.config.vocab_size
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
+        ):
+            raise bad(f"'tokens' must be a list of token ids in [0, {vocab}).", "tokens")
+        return JSONResponse({"content": model.tokenizer.decode(ids)})
+
+    async def metrics(request: HTTPRequest) -> Response:
+        return PlainTextResponse(_metrics(state), media_type="text/plain; version=0.0.4")
+
+    async def chat_route(request):
+        return await completions(request, chat=True)
+
+    async def completion_route(request):
+        return await completions(request, chat=False)
+
+    async def not_found(request: HTTPRequest, exc: HTTPException) -> Response:
+        if exc.status_code == 405:
+            return error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}."))
+        return error_response(
+            APIError(404, f"No route {request.method} {request.url.path}.", None, "not_found")
+        )
+
+    routes = [
+        Route("/v1/chat/completions", guarded(chat_route), methods=["POST"]),
+        Route("/v1/completions", guarded(completion_route), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/health", guarded(health), methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize), methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+
+
+def _metrics(state: ServerState) -> str:
+    lines = []
+
+    def metric(name: str, kind: str, help: str, value) -> None:
+        lines.extend(
+            [f"# HELP moerun_{name} {help}", f"# TYPE moerun_{name} {kind}", f"moerun_{name} {value}"]
+        )
+
+    s = state.scheduler
+    metric("ready", "gauge", "1 once the model is loaded.", int(s is not None))
+    if s is not None:
+        c = s.counters
+        metric("requests_total", "counter", "Completion requests received.", c.requests)
+        metric("requests_finished_total", "counter", "Requests answered in full.", c.finished)
+        metric("requests_cancelled_total", "counter", "Requests whose client went away.", c.cancelled)
+        metric("requests_failed_total", "counter", "Requests the model failed on.", c.failed)
+        metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", c.prompt_tokens)
+        metric(
+            "prompt_tokens_reused_total",
+            "counter",
+            "Prompt tokens copied from a kept prefix.",
+            c.reused_tokens,
+        )
+        metric("generation_tokens_total", "counter", "Tokens generated.", c.generated_tokens)
+        metric("steps_total", "counter", "Forward passes over the running batch.", c.steps)
+        metric("step_seconds_total", "counter", "Seconds spent in those passes.", round(c.step_s, 6))
+        metric("queue_length", "gauge", "Requests waiting for a slot.", s.waiting)
+        metric("batch_size", "gauge", "Requests running.", s.running)
+        metric(
+            "tokens_per_second",
+            "gauge",
+            "Tokens generated per second over the last steps.",
+            round(c.rate(), 3),
+        )
+        cache = getattr(state.model, "expert_cache", None)
+        if cache is not None:
+            total = cache.summary()["total"]
+            metric("expert_cache_hits_total", "counter", "Expert cache hits.", total["hits"])
+            metric("expert_cache_misses_total", "counter", "Expert cache misses.", total["misses"])
+    return "\n".join(lines) + "\n"

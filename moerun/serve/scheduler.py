@@ -1,0 +1,209 @@
+"""The server's scheduler: one thread owns the model and a moerun.batching.Batch and steps it while
+any request runs (continuous batching). Requests arrive from the HTTP side through `submit`; at most
+`parallel` run at once, the rest wait in order (up to `queue_size`, beyond which `submit` refuses).
+Before each step the waiting join as slots free and the cancelled leave; after it each request's
+released tokens go to its sink, a callable the HTTP side gave (it must not block: it hands the
+event to the event loop). A request's sink gets ("tokens", [Token, ...]) events, then one ("done",
+stats) or ("error", message).
+
+Prompt prefixes are reused across requests: the caches of the last `parallel` finished requests are
+kept with the ids they hold, and a new request whose prompt begins with one of them copies those
+positions instead of computing them (a conversation's next turn repeats its earlier ones).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from moerun.batching import Batch, Generation, Request
+
+if TYPE_CHECKING:
+    from moerun.decoder.kv_cache import KVCache
+    from moerun.decoder.model import MoEModel
+
+Sink = Callable[[tuple[str, object]], None]
+
+
+class QueueFull(RuntimeError):
+    """More requests waiting than the server takes."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request on its way through the scheduler."""
+
+    request: Request
+    sink: Sink
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    generation: Generation | None = None
+    first_token_s: float | None = None  # seconds from submission to the first released token
+
+
+@dataclass
+class Counters:
+    """What /metrics reports."""
+
+    requests: int = 0
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    step_s: float = 0.0
+    # the last few steps' (new tokens, seconds), for a current rate
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
+
+    def rate(self) -> float:
+        tokens, seconds = sum(t for t, _ in self.recent), sum(s for _, s in self.recent)
+        return tokens / seconds if seconds else 0.0
+
+
+class Scheduler:
+    def __init__(
+        self, model: MoEModel, parallel: int = 4, queue_size: int = 64, keep_prefixes: int | None = None
+    ):
+        self.model, self.parallel, self.queue_size = model, parallel, queue_size
+        self.batch = Batch(model)
+        self.counters = Counters()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[Job] = []
+        self._prefixes: collections.deque[tuple[KVCache, list[int]]] = collections.deque(
+            maxlen=parallel if keep_prefixes is None else keep_prefixes
+        )
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="moerun-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- the HTTP side ---
+
+    def submit(self, request: Request, sink: Sink) -> Job:
+        """Queue `request`; raises QueueFull when `queue_size` requests already wait."""
+        job = Job(request, sink)
+        with self._wake:
+            if len(self._waiting) >= self.queue_size:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this server queues.")
+            self._waiting.append(job)
+            self.counters.requests += 1
+            self._wake.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: the job leaves before the next step (its slot freed)."""
+        with self._wake:
+            job.cancelled = True
+            self._wake.notify()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    # --- the scheduler thread ---
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                self._admit()
+            if self._running:
+                self._step()
+        for job in [*self._running, *self._waiting]:
+            job.sink(("error", "The server is shutting down."))
+
+    def _admit(self) -> None:
+        """(Holding the lock.) Drop the cancelled; start waiting jobs while there are free slots."""
+        for job in [j for j in self._running if j.cancelled]:
+            self._leave(job)
+        for job in [j for j in self._waiting if j.cancelled]:
+            self._waiting.remove(job)
+            self.counters.cancelled += 1
+        while self._waiting and len(self._running) < self.parallel:
+            job = self._waiting.popleft()
+            try:
+                job.generation = self.batch.add(job.request, self._best_prefix(job.request.prompt))
+            except Exception as e:  # a cache the device cannot hold, ...
+                self.counters.failed += 1
+                job.sink(("error", str(e)))
+                continue
+            self.counters.prompt_tokens += len(job.request.prompt)
+            self.counters.reused_tokens += job.generation.stats["reused_tokens"]
+            if job.generation.finished:  # nothing to generate (a zero budget)
+                self._finish(job)
+            else:
+                self._running.append(job)
+
+    def _best_prefix(self, prompt: tuple[int, ...]) -> tuple[KVCache, list[int]] | None:
+        best, best_n = None, 0
+        for cache, ids in self._prefixes:
+            n = 0
+            limit = min(len(ids), cache.length, len(prompt) - 1)
+            while n < limit and ids[n] == prompt[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = (cache, ids), n
+        return best
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            released = self.batch.step()
+        except Exception as e:  # the model failed: every running request gets the error, the server stays
+            message = f"The model failed on this step: {type(e).__name__}: {e}"
+            with self._wake:
+                for job in list(self._running):
+                    self.batch.cancel(job.generation)
+                    self._running.remove(job)
+                    self.counters.failed += 1
+                    job.sink(("error", message))
+            return
+        seconds = time.perf_counter() - start
+        by_generation = {id(job.generation): job for job in self._running}
+        new = 0
+        for generation, tokens in released:
+            job = by_generation[id(generation)]
+            new += 1
+            if tokens and not job.cancelled:
+                if job.first_token_s is None:
+                    job.first_token_s = time.perf_counter() - job.submitted
+                job.sink(("tokens", tokens))
+        c = self.counters
+        c.steps, c.step_s, c.generated_tokens = c.steps + 1, c.step_s + seconds, c.generated_tokens + new
+        c.recent.append((new, seconds))
+        with self._wake:
+            for job in [j for j in self._running if j.generation.finished]:
+                self._running.remove(job)
+                self._finish(job)
+
+    def _leave(self, job: Job) -> None:
+        self.batch.cancel(job.generation)
+        self._running.remove(job)
+        self.counters.cancelled += 1
+
+    def _finish(self, job: Job) -> None:
+        generation = job.generation
+        self._prefixes.append((generation.cache, generation.seen))
+        self.counters.finished += 1
+        stats = dict(generation.stats, first_token_s=job.first_token_s)
+        if not job.cancelled:
+            job.sink(("done", stats))

@@ -1,0 +1,99 @@
+"""Running the application: `serve` (the command's foreground server, the model loading in the
+background while /health says 503) and `start` (a server on a free loopback port in a thread, for
+tests and `moerun bench --serve`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from moerun.serve.app import ServerState, build_app
+from moerun.serve.scheduler import Scheduler
+
+
+def _uvicorn():
+    try:
+        import uvicorn
+    except ImportError:
+        raise ValueError(
+            "moerun serve needs its extra: pip install 'moerun[serve]' (starlette and uvicorn)."
+        ) from None
+    return uvicorn
+
+
+def serve(
+    load: Callable[[], object],
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    parallel: int = 4,
+    queue_size: int = 64,
+    api_key: str | None = None,
+    ctx_size: int | None = None,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Serve until interrupted; `load()` builds the model (in a thread, so the server answers /health
+    with 503 meanwhile)."""
+    uvicorn = _uvicorn()
+    state = ServerState(model_name, ctx_size=ctx_size, api_key=api_key)
+
+    def load_in_background() -> None:
+        try:
+            model = load()
+        except Exception as e:  # the server stays up and says why on every request
+            state.load_error = str(e)
+            log(f"moerun serve: {e}")
+            return
+        state.scheduler = Scheduler(model, parallel=parallel, queue_size=queue_size)
+        state.model = model
+        log(f"moerun serve: {model_name} ready on http://{host}:{port}/v1 ({parallel} sequences at once)")
+
+    threading.Thread(target=load_in_background, name="moerun-load", daemon=True).start()
+    config = uvicorn.Config(build_app(state), host=host, port=port, log_level="warning", lifespan="off")
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        if state.scheduler is not None:
+            state.scheduler.close()
+
+
+class RunningServer:
+    """A server in a thread of this process: `url` (…/v1), `state`, `close()`."""
+
+    def __init__(self, server, thread: threading.Thread, state: ServerState, port: int):
+        self._server, self._thread, self.state, self.port = server, thread, state, port
+        self.base = f"http://127.0.0.1:{port}"
+        self.url = self.base + "/v1"
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        if self.state.scheduler is not None:
+            self.state.scheduler.close()
+
+
+def start(
+    model,
+    model_name: str = "moerun",
+    parallel: int = 4,
+    queue_size: int = 64,
+    api_key: str | None = None,
+    ctx_size: int | None = None,
+) -> RunningServer:
+    """Serve `model` on a free loopback port in a daemon thread; returns once it accepts connections."""
+    uvicorn = _uvicorn()
+    state = ServerState(model_name, ctx_size=ctx_size, api_key=api_key)
+    state.scheduler = Scheduler(model, parallel=parallel, queue_size=queue_size)
+    state.model = model
+    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="moerun-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (server.started and server.servers):
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("The test server did not start.")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return RunningServer(server, thread, state, port)

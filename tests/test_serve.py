@@ -302,3 +302,18 @@ def test_malformed_bodies_get_a_400_and_the_server_stays_up(server, route):
             if r.status_code != 200:
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert http.get("/health").status_code == 200
+
+
+def test_health_is_503_while_the_model_loads():
+    from starlette.testclient import TestClient
+
+    from moerun.serve.app import ServerState, build_app
+
+    state = ServerState("tiny")
+    with TestClient(build_app(state)) as http:
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+        r = http.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503
+        state.load_error = "no config.json in /x"
+        assert "no config.json in /x" in http.get("/health").json()["error"]["message"]

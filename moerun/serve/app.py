@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from moerun.serve import protocol
+from moerun.serve.harmony import ChannelSplitter, harmony_markers
 from moerun.serve.protocol import APIError, Body, bad
 from moerun.serve.scheduler import Job, QueueFull, Scheduler
 
@@ -152,7 +153,11 @@ def build_app(state: ServerState) -> Starlette:
         text = "".join(t.text for t in tokens)
         finish = protocol.FINISH.get(stats["finish_reason"], "stop")
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if markers := harmony_markers(model.tokenizer):  # gpt-oss: the reasoning apart
+                reasoning, message["content"] = ChannelSplitter(markers).push(tokens)
+                message["reasoning_content"] = reasoning or None
+            choice = {"index": 0, "message": message, "finish_reason": finish}
             choice["logprobs"] = (
                 protocol.chat_logprobs(model.tokenizer, tokens, options.logprobs)
                 if options.want_logprobs
@@ -198,6 +203,8 @@ def build_app(state: ServerState) -> Starlette:
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         offset = 0
+        markers = harmony_markers(model.tokenizer) if chat else None
+        channels = ChannelSplitter(markers) if markers else None
         try:
             if chat:
                 yield chunk(
@@ -218,12 +225,13 @@ def build_app(state: ServerState) -> Starlette:
                             if options.want_logprobs
                             else None
                         )
-                        choice = {
-                            "index": 0,
-                            "delta": {"content": text},
-                            "logprobs": logprobs,
-                            "finish_reason": None,
-                        }
+                        delta = {"content": text}
+                        if channels is not None:  # gpt-oss: the reasoning apart
+                            reasoning, answer = channels.push(payload)
+                            delta = {"reasoning_content": reasoning} if reasoning else {}
+                            if answer or not reasoning:
+                                delta["content"] = answer
+                        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
                     else:
                         logprobs = (
                             protocol.completion_logprobs(model.tokenizer, payload, options.logprobs, offset)

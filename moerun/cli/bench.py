@@ -76,6 +76,15 @@ def add_parser(commands) -> None:
         help="with --model (generated): batched generation at these batch sizes, e.g. 1,4,8, against "
         "transformers' batched generate",
     )
+    bench.add_argument(
+        "--serve",
+        metavar="CLIENTS",
+        nargs="?",
+        const="1,4,8",
+        default=None,
+        help="the HTTP server under this many concurrent streaming clients (default 1,4,8) on the "
+        "generated OLMoE-shaped model",
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=run)
 
@@ -124,6 +133,20 @@ def run(args: argparse.Namespace) -> int:
             log=log,
         )
         print(json.dumps(results) if args.json else format_offload_table(results))
+        return 0
+    if args.serve is not None:
+        from moerun.bench.serve import format_serve_table, run_serve_bench
+
+        results = run_serve_bench(
+            layers=args.layers or 2,
+            dtype=args.dtype,
+            clients=_sizes(args.serve, "--serve"),
+            new_tokens=args.decode_steps,
+            device=args.device,
+            backend=args.backend,
+            log=log,
+        )
+        print(json.dumps(results) if args.json else format_serve_table(results))
         return 0
     if args.batch is not None and args.model != "":
         raise SystemExit("moerun bench: --batch runs on the generated model; give --model without a PATH.")
@@ -175,14 +198,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sizes(text: str) -> list[int]:
+def _sizes(text: str, flag: str = "--batch") -> list[int]:
     """--batch 1,4,8 -> [1, 4, 8]."""
     try:
         sizes = [int(part) for part in text.split(",")]
     except ValueError:
         sizes = []
     if not sizes or min(sizes) < 1:
-        raise SystemExit(f"moerun bench: --batch takes batch sizes >= 1 separated by commas, not {text!r}.")
+        raise SystemExit(f"moerun bench: {flag} takes sizes >= 1 separated by commas, not {text!r}.")
     return sizes
 
 

@@ -1,0 +1,159 @@
+"""`moerun bench --serve`: the HTTP server under concurrent streams, on the generated OLMoE-shaped
+model (moerun.bench.model's weights; prompts as token ids). For each number of concurrent clients C,
+C threads of a client process (apart from the server's, as real clients are) each stream
+`requests_per_client` completions (`stream: true`, greedy, `new_tokens` each) from a server with
+`--parallel` = max(C); measured: aggregate tok/s (every client's tokens over the phase's wall time),
+time to first token (median and worst), and the scaling over C = 1. The peer is moerun's own single
+stream in the same run."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from moerun.bench.model import build_pair
+from moerun.moe.backends import resolve_backend
+from moerun.quant.formats import COMPUTE_DTYPES
+
+
+def _stream_one(http, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
+    """One streamed completion -> (seconds to the first token, seconds in all, tokens)."""
+    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    start = time.perf_counter()
+    first, tokens = None, 0
+    with http.stream("POST", url + "/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"the server answered {response.status_code}: {response.read()[:200]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif first is None:
+                first = time.perf_counter() - start
+    return first or 0.0, time.perf_counter() - start, tokens
+
+
+def _clients(url: str, prompts, c: int, requests_per_client: int, new_tokens: int, queue) -> None:
+    """(In a child process.) `c` threads, each streaming `requests_per_client` completions; puts
+    (wall seconds, [(ttft, seconds, tokens)], [errors]) on `queue`."""
+    import httpx
+
+    results: list[tuple[float, float, int]] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        try:
+            with httpx.Client(timeout=600) as http:
+                for r in range(requests_per_client):
+                    prompt = prompts[(i * requests_per_client + r) % len(prompts)]
+                    out = _stream_one(http, url, prompt, new_tokens)
+                    with lock:
+                        results.append(out)
+        except Exception as e:  # reported, not raised in a thread
+            with lock:
+                errors.append(str(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(c)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    queue.put((time.perf_counter() - start, results, errors))
+
+
+def run_serve_bench(
+    layers: int = 2,
+    dtype: str = "bf16",
+    clients: Sequence[int] = (1, 4, 8),
+    prompt_tokens: int = 32,
+    new_tokens: int = 32,
+    requests_per_client: int = 2,
+    shape: dict | None = None,
+    device: str | None = None,
+    backend: str = "auto",
+    log: Callable[[str], None] = lambda s: None,
+) -> dict:
+    import httpx
+
+    from moerun.serve.server import start
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = resolve_backend(backend, torch.device(device))
+    log(f"building a random {layers}-layer OLMoE-shaped model in {dtype} on {device} ({backend} backend)")
+    peer, model = build_pair(layers, COMPUTE_DTYPES[dtype], shape, device, backend)
+    vocab = peer.config.vocab_size
+    del peer
+    model.warm_up()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist() for _ in range(64)]
+    server = start(model, model_name="bench", parallel=max(clients), queue_size=max(64, max(clients)))
+    rows = []
+    try:
+        with httpx.Client(timeout=600) as http:
+            _stream_one(http, server.url, prompts[0][:4], 2)  # warm-up through the whole stack
+        context = multiprocessing.get_context("spawn")
+        for c in clients:
+            log(f"{c} concurrent clients x {requests_per_client} streamed requests of {new_tokens} tokens")
+            # the clients run in another process, as real ones do: not in the server's interpreter
+            queue = context.Queue()
+            child = context.Process(
+                target=_clients, args=(server.url, prompts, c, requests_per_client, new_tokens, queue)
+            )
+            child.start()
+            wall, results, errors = queue.get(timeout=1800)
+            child.join()
+            if errors:
+                raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
+            ttft = [r[0] for r in results]
+            rows.append(
+                {
+                    "clients": c,
+                    "requests": len(results),
+                    "tokens": sum(r[2] for r in results),
+                    "tok_s": sum(r[2] for r in results) / wall,
+                    "per_stream_tok_s": statistics.median(r[2] / r[1] for r in results),
+                    "ttft_median_s": statistics.median(ttft),
+                    "ttft_max_s": max(ttft),
+                }
+            )
+    finally:
+        server.close()
+    for row in rows:
+        row["scaling"] = row["tok_s"] / rows[0]["tok_s"]
+    return {
+        "model": f"olmoe-shaped, {layers} layers",
+        "dtype": dtype,
+        "device": device,
+        "backend": backend,
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "rows": rows,
+    }
+
+
+def format_serve_table(r: dict) -> str:
+    lines = [
+        f"moerun bench --serve  {r['model']}  dtype={r['dtype']}  device={r['device']}  "
+        f"backend={r['backend']}  threads={r['threads']}  ({r['prompt_tokens']}-token prompts, "
+        f"{r['new_tokens']} new tokens, streamed)",
+        "  clients  requests  aggregate tok/s  per stream tok/s  TTFT median  TTFT max  scaling",
+    ]
+    for row in r["rows"]:
+        lines.append(
+            f"  {row['clients']:7}  {row['requests']:8}  {row['tok_s']:15.1f}  "
+            f"{row['per_stream_tok_s']:16.1f}  "
+            f"{row['ttft_median_s'] * 1e3:9.0f} ms  {row['ttft_max_s'] * 1e3:6.0f} ms  {row['scaling']:6.2f}x"
+        )
+    return "\n".join(lines)

@@ -156,3 +156,16 @@ def test_batch_bench_runs_both_sides_on_the_same_tokens(capsys):
     assert all(row["same_greedy_tokens"] for row in r["rows"])
     assert r["rows"][0]["scaling"] == 1.0 and all(row["tok_s"] > 0 for row in r["rows"])
     assert "transformers" in format_batch_table(r)
+
+
+def test_serve_bench_streams_every_token_asked_for():
+    """`moerun bench --serve` on a tiny model: every client's streamed completion has its tokens
+    (the generated model's end-of-sequence id lies outside its vocabulary, so none ends early)."""
+    from moerun.bench.serve import format_serve_table, run_serve_bench
+
+    r = run_serve_bench(
+        layers=1, dtype="fp32", clients=(1, 2), new_tokens=3, requests_per_client=1, shape=TINY_OLMOE
+    )
+    assert [(row["clients"], row["requests"], row["tokens"]) for row in r["rows"]] == [(1, 1, 3), (2, 2, 6)]
+    assert all(row["ttft_max_s"] > 0 and row["tok_s"] > 0 for row in r["rows"])
+    assert "TTFT" in format_serve_table(r)

@@ -317,3 +317,59 @@ def test_health_is_503_while_the_model_loads():
         assert r.status_code == 503
         state.load_error = "no config.json in /x"
         assert "no config.json in /x" in http.get("/health").json()["error"]["message"]
+
+
+def test_fuzzed_fields_never_give_a_500(server):
+    """Random JSON values (hypothesis) in every field a completion reads: a 200 or a 4xx in OpenAI's
+    error shape, never a 500, and the server answers after."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=True, allow_infinity=False),
+        st.text(max_size=20),
+    )
+    value = st.recursive(
+        leaf,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+        max_leaves=8,
+    )
+    fields = [
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "logprobs",
+        "top_logprobs",
+        "n",
+        "stream",
+        "presence_penalty",
+        "frequency_penalty",
+        "model",
+    ]
+    body = st.dictionaries(st.sampled_from(fields), value, max_size=6)
+    http = httpx.Client(base_url=server.base, timeout=30)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(body=body, chat=st.booleans())
+    def check(body, chat):
+        body = {**body, "max_tokens": body.get("max_tokens", 2)} if not chat else body
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        r = http.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code < 500, (body, r.text[:300])
+        if r.status_code != 200:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    try:
+        check()
+        assert http.get("/health").status_code == 200
+    finally:
+        http.close()

@@ -189,6 +189,18 @@ FIELDS: dict[str, Count | Number | Flag | Choice | Ids | Each | Section] = {
     "mlp_only_layers": Each(Count(0, 1 << 20)),
     "moe_layers": Each(Flag(), longest=1024),
     "sliding_window_pattern": Count(1, 1024),  # GGUF: every n-th layer attends to all positions
+    # MLA attention (DeepSeek-V2/V3) and GLM-4 MoE
+    "q_lora_rank": Count(1, 1 << 16),  # null: q projected directly
+    "kv_lora_rank": Count(1, 1 << 16),
+    "qk_rope_head_dim": Count(2, 4096),
+    "qk_nope_head_dim": Count(0, 4096),
+    "v_head_dim": Count(1, 4096),
+    "first_k_dense_replace": Count(0, 1024),
+    "moe_layer_freq": Count(1, 1024),
+    "partial_rotary_factor": Number(0, 1),
+    "use_qk_norm": Flag(),
+    "scoring_func": Choice(("softmax", "sigmoid")),
+    "rope_interleave": Flag(),
     "rope_parameters": Section(),
     "rope_scaling": Section(),
 }

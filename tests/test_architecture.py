@@ -54,6 +54,7 @@ ALLOWED = {
         "text",
         "generate.py",
         "batching.py",
+        "serve",
         "activations.py",
         "settings.py",
     },  # fmt: skip

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from moerun.decoder.config import ModelConfig
+from moerun.decoder.config import MLASpec, ModelConfig
 from moerun.errors import CheckpointError
 from moerun.loader import GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.loader.json_file import read_json
@@ -110,7 +110,8 @@ def describe(path: str | os.PathLike) -> dict:
     moe_layers = sum(config.moe_layers)
     experts = moe_layers * config.moe.num_experts
     attn = config.attention
-    kv_bytes_per_token = 2 * config.num_layers * attn.kv_heads * attn.head_dim * 2  # bf16 keys + values
+    # bf16 keys + values (MLA: the latent and the rotary key)
+    kv_bytes_per_token = config.num_layers * 2 * sum(h * d for h, d in attn.cache_dims())
     return {
         "path": str(root),
         "file_format": kind,
@@ -120,7 +121,11 @@ def describe(path: str | os.PathLike) -> dict:
         "hidden": config.hidden,
         "vocab": config.vocab_size,
         "context": config.max_positions,
-        "attention": f"{attn.heads} heads, {attn.kv_heads} kv heads, head_dim {attn.head_dim}",
+        "attention": (
+            f"MLA, {attn.heads} heads, latent {attn.kv_lora_rank} + rotary key {attn.qk_rope_head_dim}"
+            if isinstance(attn, MLASpec)
+            else f"{attn.heads} heads, {attn.kv_heads} kv heads, head_dim {attn.head_dim}"
+        ),
         "experts_per_layer": config.moe.num_experts,
         "top_k": config.moe.top_k,
         **text,  # tokenizer, chat_template: where each is (or None); tokenizer_note: a problem found

@@ -33,7 +33,11 @@ _IN_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "mlp_norm.weight",
 }
-_ATTENTION = re.compile(r"self_attn\.(?:([qkvo])_proj\.(weight|bias)|(q_norm|k_norm)\.weight|(sinks))")
+_ATTENTION = re.compile(
+    r"self_attn\.(?:([qkvo]|q_a|q_b|kv_b)_proj\.(weight|bias)|(kv_a)_proj_with_mqa\.(weight|bias)"
+    r"|(q_norm|k_norm|q_a_layernorm|kv_a_layernorm)\.weight|(sinks))"
+)
+_NORMS = {"q_a_layernorm": "q_a_norm", "kv_a_layernorm": "kv_a_norm"}  # MLA's
 _BLOCK = re.compile(r"(?:mlp|block_sparse_moe)\.(.+)")
 _PER_EXPERT = re.compile(r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 _ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -41,8 +45,10 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 
 
 def _attention_name(match: re.Match) -> str:
-    proj, kind, norm, sinks = match.groups()
-    return f"attn.{proj}.{kind}" if proj else f"attn.{norm}.weight" if norm else "attn.sinks"
+    proj, kind, mqa, mqa_kind, norm, sinks = match.groups()
+    if proj or mqa:
+        return f"attn.{proj or mqa}.{kind or mqa_kind}"
+    return f"attn.{_NORMS.get(norm, norm)}.weight" if norm else "attn.sinks"
 
 
 def canonical_tensors(

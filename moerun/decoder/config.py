@@ -6,13 +6,14 @@ nothing else reads checkpoint config keys.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moerun.activations import GLU
 from moerun.errors import ConfigError
 from moerun.moe.layer import MoESpec
 
-__all__ = ["AttentionSpec", "ConfigError", "ModelConfig", "RopeSpec"]
+__all__ = ["AttentionSpec", "ConfigError", "MLASpec", "ModelConfig", "RopeSpec"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,78 @@ class AttentionSpec:
             shapes["sinks"] = (self.heads,)
         return shapes
 
+    def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of what the KV cache holds per position: keys, values."""
+        return (self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): q through a low-rank `q_a` -> norm -> `q_b`
+    (or one `q` projection when `q_lora_rank` is None); keys and values from one latent of
+    `kv_lora_rank` per position (`kv_a`, normed) through `kv_b`, plus one rotary key of
+    `qk_rope_head_dim` shared by every head. The KV cache holds the latent and the rotary key,
+    not per-head keys and values."""
+
+    hidden: int
+    heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: RopeSpec
+    q_lora_rank: int | None = None
+    bias: bool = False  # q_a, kv_a and o carry biases (attention_bias)
+    interleaved_rope: bool = True  # rotary pairs (x0, x1), (x2, x3), ... as DeepSeek lays them out
+    norm_eps: float = 1e-6  # the q_a and kv_a norms'
+    # what the other attention variants have and MLA does not
+    qk_norm = None
+    clip_qkv = None
+    sinks = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads
+
+    @property
+    def head_dim(self) -> int:
+        """RoPE's width: the rotary part of each head."""
+        return self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1 / sqrt(q/k head width), times YaRN's mscale squared where `mscale_all_dim` is set."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        rope = self.rope
+        if rope.kind != "default" and rope.mscale_all_dim and rope.factor > 1:
+            m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+            scale *= m * m
+        return scale
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, qk = self.heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        shapes: dict[str, tuple[int, ...]] = {}
+        if self.q_lora_rank is None:
+            shapes["q.weight"] = (h * qk, self.hidden)
+        else:
+            shapes["q_a.weight"] = (self.q_lora_rank, self.hidden)
+            shapes["q_a_norm.weight"] = (self.q_lora_rank,)
+            shapes["q_b.weight"] = (h * qk, self.q_lora_rank)
+        shapes["kv_a.weight"] = (self.kv_lora_rank + self.qk_rope_head_dim, self.hidden)
+        shapes["kv_a_norm.weight"] = (self.kv_lora_rank,)
+        shapes["kv_b.weight"] = (h * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+        shapes["o.weight"] = (self.hidden, h * self.v_head_dim)
+        if self.bias:
+            if self.q_lora_rank is not None:
+                shapes["q_a.bias"] = (self.q_lora_rank,)
+            shapes["kv_a.bias"] = (self.kv_lora_rank + self.qk_rope_head_dim,)
+            shapes["o.bias"] = (self.hidden,)
+        return shapes
+
+    def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The latent and the rotary key, one "head" each."""
+        return (1, self.kv_lora_rank), (1, self.qk_rope_head_dim)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -79,7 +152,7 @@ class ModelConfig:
     vocab_size: int
     hidden: int
     num_layers: int
-    attention: AttentionSpec
+    attention: AttentionSpec | MLASpec
     moe: MoESpec
     moe_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP
     sliding_windows: tuple[int | None, ...]  # per layer: keys within the last N positions, or all

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from moerun import cpu
 from moerun.batching import Token
 from moerun.decoder.attention import Attention
-from moerun.decoder.config import ModelConfig
+from moerun.decoder.config import AttentionSpec, MLASpec, ModelConfig
 from moerun.decoder.kv_cache import KVCache
+from moerun.decoder.mla import MLAttention
 from moerun.decoder.norm import rms_norm
 from moerun.decoder.rope import Rotary
 from moerun.generate import Generator
@@ -101,10 +102,9 @@ class MoEModel:
             self.attn_norms.append(dense(p + "attn_norm.weight"))
             self.mlp_norms.append(dense(p + "mlp_norm.weight"))
             attn_tensors = {k: dense(p + "attn." + k) for k in config.attention.tensor_shapes()}
+            kind = MLAttention if isinstance(config.attention, MLASpec) else Attention
             self.attentions.append(
-                Attention(
-                    config.attention, attn_tensors, self.rotary, config.sliding_windows[i], self.project
-                )
+                kind(config.attention, attn_tensors, self.rotary, config.sliding_windows[i], self.project)
             )
             if config.moe_layers[i]:
                 moe = {k: tensors[p + "moe." + k] for k in config.moe.tensor_shapes()}
@@ -126,8 +126,12 @@ class MoEModel:
                 self.mlps.append(DenseMLP(dense(p + "mlp.gate_up"), dense(p + "mlp.down"), act, self.project))
         # one token of one sequence on the native CPU kernels: each layer's attention block one call,
         # its MoE block two (built on the first such step)
-        self._native_decode = native and all(
-            mlp.decodes_natively for mlp, moe in zip(self.mlps, config.moe_layers, strict=True) if moe
+        self._native_decode = (
+            native
+            and isinstance(config.attention, AttentionSpec)
+            and all(
+                mlp.decodes_natively for mlp, moe in zip(self.mlps, config.moe_layers, strict=True) if moe
+            )
         )
         self._native_steps: list[cpu.AttentionDecode] | None = None
         # prefill's activations in fp32 where the native kernels compute the quantised projections

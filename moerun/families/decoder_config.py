@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from moerun.decoder.config import AttentionSpec, ConfigError, ModelConfig, RopeSpec
+from moerun.decoder.config import AttentionSpec, ConfigError, MLASpec, ModelConfig, RopeSpec
 from moerun.families.moe_block import hf_glu
 from moerun.moe.layer import MoESpec
 
@@ -49,6 +49,28 @@ def attention_spec(config: Mapping, rope_default: Mapping | None = None, **varia
     )
 
 
+def mla_spec(config: Mapping, interleaved_rope: bool = True) -> MLASpec:
+    """DeepSeek's multi-head latent attention from its config keys."""
+    return MLASpec(
+        hidden=config["hidden_size"],
+        heads=config["num_attention_heads"],
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        rope=rope_spec(config),
+        q_lora_rank=config.get("q_lora_rank"),
+        bias=bool(config.get("attention_bias")),
+        interleaved_rope=interleaved_rope,
+    )
+
+
+def leading_dense_layers(config: Mapping) -> tuple[bool, ...]:
+    """DeepSeek's rule: the first `first_k_dense_replace` layers have a dense MLP, the rest MoE."""
+    dense = config.get("first_k_dense_replace", 0)
+    return tuple(i >= dense for i in range(config["num_hidden_layers"]))
+
+
 def sparse_layers(config: Mapping) -> tuple[bool, ...]:
     """Qwen's rule: layer i is MoE unless listed in `mlp_only_layers`, and when (i + 1) is a
     multiple of `decoder_sparse_step`."""
@@ -88,7 +110,7 @@ def eos_ids(config: Mapping) -> tuple[int, ...]:
 def model_config(
     config: Mapping,
     moe: MoESpec,
-    attention: AttentionSpec,
+    attention: AttentionSpec | MLASpec,
     moe_layers: Sequence[bool] | None = None,
     sliding_windows: Sequence[int | None] | None = None,
 ) -> ModelConfig:

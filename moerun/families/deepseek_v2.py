@@ -1,7 +1,9 @@
 """DeepSeek-V2: softmax scores, greedy or group-limited greedy top-k, routed scaling; ungated
 shared experts of `moe_intermediate_size * n_shared_experts`."""
 
+from moerun.decoder.config import ModelConfig
 from moerun.errors import ConfigError
+from moerun.families import decoder_config
 from moerun.families.moe_block import first, fused_expert_names, hf_glu, shared_mlp_names
 from moerun.moe.layer import MoESpec
 from moerun.moe.routing import DeepSeekV2Softmax
@@ -30,4 +32,13 @@ def moe_spec(config: dict) -> MoESpec:
         ),
         activation=hf_glu(config),
         shared_intermediate=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
+    )
+
+
+def model_config(config: dict) -> ModelConfig:
+    """MLA attention (transformers' V2 always rotates interleaved pairs); the first
+    `first_k_dense_replace` layers dense."""
+    attention = decoder_config.mla_spec(config, interleaved_rope=True)
+    return decoder_config.model_config(
+        config, moe_spec(config), attention, decoder_config.leading_dense_layers(config)
     )

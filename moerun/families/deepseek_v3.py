@@ -1,6 +1,8 @@
 """DeepSeek-V3: sigmoid scores with a score-correction bias for the choice, group-limited by each
 group's top-2 sum; unbiased weights, optional renormalisation, routed scaling; ungated shared experts."""
 
+from moerun.decoder.config import ModelConfig
+from moerun.families import decoder_config
 from moerun.families.moe_block import first, fused_expert_names, hf_glu, shared_mlp_names
 from moerun.moe.layer import MoESpec
 from moerun.moe.routing import DeepSeekV3Sigmoid
@@ -27,4 +29,12 @@ def moe_spec(config: dict) -> MoESpec:
         activation=hf_glu(config),
         score_bias=True,
         shared_intermediate=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
+    )
+
+
+def model_config(config: dict) -> ModelConfig:
+    """MLA attention; the first `first_k_dense_replace` layers dense."""
+    attention = decoder_config.mla_spec(config, interleaved_rope=bool(config.get("rope_interleave", True)))
+    return decoder_config.model_config(
+        config, moe_spec(config), attention, decoder_config.leading_dense_layers(config)
     )

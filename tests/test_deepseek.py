@@ -153,3 +153,17 @@ def test_inspect_describes_mla(pair, capsys):
         described["kv_cache_bytes_per_token_bf16"]
         == (c.kv_lora_rank + c.qk_rope_head_dim) * c.num_hidden_layers * 2
     )
+
+
+@pytest.mark.parametrize("absorb_below", [0, 4])
+def test_decode_steps_in_either_form_match_transformers(pair, monkeypatch, absorb_below):
+    """One token a step over a growing cache: the absorbed form (kv_b folded into q and the output,
+    the default for decode) and the expanded one both give transformers' logits at every position."""
+    from moerun.decoder import mla
+
+    hf, ours, _ = pair
+    monkeypatch.setattr(mla, "ABSORB_BELOW", absorb_below)
+    ids = IDS[:1, :12]
+    cache = ours.new_cache(1, 12)
+    steps = [ours.hidden_logits(ours.forward(ids[:, i : i + 1], cache)[0, -1]) for i in range(12)]
+    assert rel_err(torch.stack(steps), hf_logits(hf, ids)[0]) <= 1e-4

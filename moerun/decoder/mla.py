@@ -28,6 +28,10 @@ from moerun.decoder.norm import rms_norm
 from moerun.decoder.rope import Rotary
 from moerun.linear import Linear, linear
 
+# Queries per sequence up to which a step attends in the absorbed form (decode), not by expanding
+# every cached latent through kv_b (prefill, where the expansion is shared by many queries)
+ABSORB_BELOW = 4
+
 
 def _halves(x: torch.Tensor) -> torch.Tensor:
     """Interleaved rotary pairs (x0, x1), (x2, x3), ... -> (x0, x2, ..., x1, x3, ...)."""
@@ -47,6 +51,7 @@ class MLAttention:
             raise ValueError("MLA attention has no sliding window.")
         self.spec, self.t, self.rotary, self.project = spec, dict(tensors), rotary, project
         self.window = None
+        self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # kv_b per head, for the absorbed form
 
     def _project(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.project(x, self.t[f"{name}.weight"], self.t.get(f"{name}.bias"))
@@ -103,6 +108,8 @@ class MLAttention:
         latents, rotary_keys = cache_latent[:, :, :end], cache_rope[:, :, :end]  # [B, 1, S, *]
         if latents.dtype != q.dtype:
             latents, rotary_keys = latents.to(q.dtype), rotary_keys.to(q.dtype)
+        if T <= ABSORB_BELOW:
+            return self._absorbed(q, latents, rotary_keys, start)
         kv = self._project(latents, "kv_b").view(B, end, h, spec.qk_nope_head_dim + spec.v_head_dim)
         k_nope, v = kv.transpose(1, 2).split([spec.qk_nope_head_dim, spec.v_head_dim], dim=-1)
         k = torch.cat((k_nope, rotary_keys.expand(B, h, end, spec.qk_rope_head_dim)), dim=-1)
@@ -111,6 +118,43 @@ class MLAttention:
             q_pos = torch.arange(start, end, device=q.device)[:, None]
             allowed = torch.arange(end, device=q.device)[None, :] <= q_pos
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=spec.softmax_scale)
+
+    def _absorbed(self, q, latents, rotary_keys, start: int) -> torch.Tensor:
+        """The same attention with kv_b folded into the query and the output, so no cached position
+        is expanded: q_nope . (W_k latent) = (W_k^T q_nope) . latent, and the values' W_v applied
+        once to the attention-weighted latent. A step's work no longer grows as heads x
+        (nope + v) x kv_lora_rank per cached position; q [B, h, T, nope + rope] -> [B, h, T, v]."""
+        spec = self.spec
+        B, h, T, _ = q.shape
+        w_k, w_v = self._kv_b_parts(q.dtype)  # [h, nope, r], [h, v, r]
+        q_nope, q_rope = q.split([spec.qk_nope_head_dim, spec.qk_rope_head_dim], dim=-1)
+        q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_k)
+        lat, rot = latents[:, 0], rotary_keys[:, 0]  # [B, S, r], [B, S, rope]
+        scores = torch.einsum("bhtr,bsr->bhts", q_latent, lat) + torch.einsum("bhtd,bsd->bhts", q_rope, rot)
+        scores = scores.float() * spec.softmax_scale
+        if T > 1:
+            S = lat.shape[1]
+            q_pos = torch.arange(start, start + T, device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(S, device=q.device)[None, :] > q_pos, float("-inf"))
+        weights = scores.softmax(dim=-1).to(q.dtype)
+        return torch.einsum("bhvr,bhtr->bhtv", w_v.unsqueeze(0).expand(B, -1, -1, -1), weights @ lat[:, None])
+
+    def _kv_b_parts(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b's key and value halves per head, dense in `dtype` (dequantised once if stored
+        quantised)."""
+        if self._parts is None or self._parts[0].dtype != dtype:
+            spec = self.spec
+            w = self.t["kv_b.weight"]
+            if not isinstance(w, torch.Tensor):
+                from moerun.quant.dequant import dequantize
+
+                w = dequantize(w)
+            w = w.to(dtype).view(spec.heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
+            self._parts = (
+                w[:, : spec.qk_nope_head_dim].contiguous(),
+                w[:, spec.qk_nope_head_dim :].contiguous(),
+            )
+        return self._parts
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         B, h, T, D = out.shape

@@ -169,3 +169,34 @@ def test_serve_bench_streams_every_token_asked_for():
     assert [(row["clients"], row["requests"], row["tokens"]) for row in r["rows"]] == [(1, 1, 3), (2, 2, 6)]
     assert all(row["ttft_max_s"] > 0 and row["tok_s"] > 0 for row in r["rows"])
     assert "TTFT" in format_serve_table(r)
+
+
+def test_model_bench_on_a_tiny_deepseek_shape():
+    """`moerun bench --model --generated deepseek-v2-lite` on tiny shapes: both contenders agree, and
+    the KV bytes per token are the latent and rotary key's, counted here from the config."""
+    tiny = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+    )
+    r = run_model_bench(
+        layers=2,
+        dtype="fp32",
+        prompt_tokens=16,
+        decode_steps=2,
+        repeats=1,
+        shape=tiny,
+        generated="deepseek-v2-lite",
+    )
+    assert r["peer_max_rel_diff"] <= 1e-4 and r["same_greedy_last_token"]
+    assert r["kv_bytes_per_token"] == 2 * (16 + 8) * 4  # 2 layers, fp32
+    assert "KV cache per token" in format_model_table(r)

@@ -30,31 +30,69 @@ OLMOE = dict(
 )
 
 
+# DeepSeek-V2-Lite's shapes (MLA attention without q_lora, 64 routed experts top-6, 2 shared, the
+# first layer dense); the layer count is the benchmark's choice
+DEEPSEEK_V2_LITE = dict(
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    first_k_dense_replace=1,
+    topk_method="greedy",
+    routed_scaling_factor=1.0,
+    max_position_embeddings=4096,
+)
+GENERATED = {  # --generated NAME -> (model_type, transformers config and model classes, shapes)
+    "olmoe": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM", OLMOE),
+    "deepseek-v2-lite": ("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM", DEEPSEEK_V2_LITE),
+}
+
+
 def build_pair(
-    layers: int, dtype: torch.dtype, shape: dict | None = None, device: str = "cpu", backend: str = "torch"
+    layers: int,
+    dtype: torch.dtype,
+    shape: dict | None = None,
+    device: str = "cpu",
+    backend: str = "torch",
+    generated: str = "olmoe",
 ):
-    """(transformers OlmoeForCausalLM, MoEModel) sharing every weight tensor, on `device`; `shape`
-    overrides OLMoE's config values (tests use tiny ones)."""
+    """(transformers model, MoEModel) sharing every weight tensor, on `device`: `generated` names
+    the shapes (GENERATED); `shape` overrides their config values (tests use tiny ones)."""
     import transformers
 
-    config = transformers.OlmoeConfig(**{**OLMOE, **(shape or {}), "num_hidden_layers": layers})
+    model_type, config_class, model_class, shapes = GENERATED[generated]
+    config = getattr(transformers, config_class)(**{**shapes, **(shape or {}), "num_hidden_layers": layers})
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        peer = transformers.OlmoeForCausalLM(config)
+        peer = getattr(transformers, model_class)(config)
     peer = peer.to_empty(device="cpu").to(dtype).eval()
     # to_empty leaves buffers uninitialised: rebuild the rotary embedding's inverse frequencies
     peer.model.rotary_emb = type(peer.model.rotary_emb)(config)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in peer.named_parameters():
+        for name, p in [*peer.named_parameters(), *peer.named_buffers()]:
+            if "inv_freq" in name:
+                continue
             if "norm" in name:
                 p.fill_(1.0)
+            elif "e_score_correction_bias" in name:
+                p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(dtype))
     peer = peer.to(device)
-    model_config = family("olmoe").model_config(config.to_dict())
+    model_config = family(model_type).model_config(config.to_dict())
     state = peer.state_dict()
-    tensors, _ = canonical_tensors("olmoe", model_config, state.keys(), state.__getitem__)
+    tensors, _ = canonical_tensors(model_type, model_config, state.keys(), state.__getitem__)
     return peer, MoEModel(model_config, tensors, dtype=dtype, device=device, backend=backend)
 
 
@@ -68,6 +106,7 @@ def run_model_bench(
     device: str | None = None,
     backend: str = "auto",
     log: Callable[[str], None] = lambda s: None,
+    generated: str = "olmoe",
 ) -> dict:
     from transformers import DynamicCache
 
@@ -75,10 +114,10 @@ def run_model_bench(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = resolve_backend(backend, torch.device(device))
     log(
-        f"building a random {layers}-layer OLMoE-shaped model in {dtype} on {device} ({backend} backend; "
-        "moerun and transformers share it)"
+        f"building a random {layers}-layer {generated}-shaped model in {dtype} on {device} "
+        f"({backend} backend; moerun and transformers share it)"
     )
-    peer, ours = build_pair(layers, torch_dtype, shape, device, backend)
+    peer, ours = build_pair(layers, torch_dtype, shape, device, backend, generated)
     vocab = peer.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (1, prompt_tokens), generator=gen).to(device)
@@ -127,14 +166,24 @@ def run_model_bench(
     decode_s = {k: statistics.median(v) for k, v in decode.items()}
     spec = ours.config.moe
     expert_bytes = 3 * spec.hidden * spec.intermediate * torch_dtype.itemsize
+    shared_bytes = 3 * spec.hidden * spec.shared_intermediate * torch_dtype.itemsize
+    dense_bytes = 3 * spec.hidden * ours.config.dense_intermediate * torch_dtype.itemsize
+    moe_layers = sum(ours.config.moe_layers)
     bytes_per_step = (
-        layers * spec.top_k * expert_bytes
+        moe_layers * (spec.top_k * expert_bytes + shared_bytes)
+        + (layers - moe_layers) * dense_bytes
         + sum(t.numel() * t.element_size() for a in ours.attentions for t in a.t.values())
         + ours.lm_head.numel() * ours.lm_head.element_size()
     )
+    peer_kv = sum(
+        t.numel() * t.element_size()
+        for layer in getattr(peer_cache, "layers", [])
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if isinstance(t, torch.Tensor)
+    ) // max(peer_cache.get_seq_length(), 1)
     diff = (ours_logits - peer_logits_out).abs().max() / peer_logits_out.abs().max()
     return {
-        "model": f"olmoe-shaped, {layers} layers",
+        "model": f"{generated}-shaped, {layers} layers",
         "dtype": dtype,
         "device": device,
         "backend": backend,
@@ -155,6 +204,8 @@ def run_model_bench(
         "decode_roofline_fraction": bytes_per_step / decode_s["moerun"] / copy,
         "peer_max_rel_diff": diff.item(),
         "same_greedy_last_token": bool(ours_logits[0, -1].argmax() == peer_logits_out[0, -1].argmax()),
+        "kv_bytes_per_token": cache.bytes_per_position,
+        "peer_kv_bytes_per_token": peer_kv,
     }
 
 
@@ -171,6 +222,8 @@ def format_model_table(r: dict) -> str:
             f"transformers {r['peer_decode_tok_s']:8.1f} tok/s   ({r['decode_vs_peer']:.2f}x)",
             f"  generate 32+16  moerun {r['generate_tok_s']:8.1f} tok/s   "
             f"transformers {r['peer_generate_tok_s']:8.1f} tok/s   ({r['generate_vs_peer']:.2f}x)",
+            f"  KV cache per token  moerun {r['kv_bytes_per_token']} B   "
+            f"transformers {r['peer_kv_bytes_per_token']} B",
             f"  decode reads {r['decode_bytes_per_step'] / 2**20:.0f} MiB per token: "
             f"{r['decode_bytes_per_s'] / gb:.1f} GB/s "
             f"({100 * r['decode_roofline_fraction']:.0f}% of copy bandwidth)",

@@ -71,6 +71,12 @@ def add_parser(commands) -> None:
         help="with --offload: routing the next layer's router predicts exactly (prefetch's best case)",
     )
     bench.add_argument(
+        "--generated",
+        choices=["olmoe", "deepseek-v2-lite"],
+        default="olmoe",
+        help="with --model (no PATH): whose shapes the generated model has",
+    )
+    bench.add_argument(
         "--batch",
         metavar="SIZES",
         help="with --model (generated): batched generation at these batch sizes, e.g. 1,4,8, against "
@@ -177,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             backend=args.backend,
             log=log,
+            generated=args.generated,
         )
         print(json.dumps(results) if args.json else format_model_table(results))
         return 0

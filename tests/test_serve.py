@@ -5,6 +5,7 @@ greedy requests give the tokens each gives alone); a client gone mid-stream free
 bounded load run; prefix reuse; and the other routes."""
 
 import concurrent.futures
+import contextlib
 import json
 import threading
 import time
@@ -373,3 +374,34 @@ def test_fuzzed_fields_never_give_a_500(server):
         assert http.get("/health").status_code == 200
     finally:
         http.close()
+
+
+def test_the_serve_command_answers_once_loaded(checkpoint):
+    """`moerun serve` as a user starts it: a process on a free loopback port, 503 or no answer
+    while loading, then the API; Ctrl-C (SIGINT) stops it."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "moerun", "serve", "-m", str(checkpoint), "--port", str(port)]
+    process = subprocess.Popen(
+        [*command, "--dtype", "fp32", "--alias", "tiny"], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline, status = time.monotonic() + 120, None
+        while time.monotonic() < deadline and status != 200:
+            with contextlib.suppress(httpx.TransportError):  # not listening yet
+                status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
+            time.sleep(0.2)
+        assert status == 200
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert client.models.list().data[0].id == "tiny"
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+    assert "ready on http://127.0.0.1" in err and "Traceback" not in err

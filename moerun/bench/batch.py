@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moerun.bench.model import build_pair
+from moerun.bench.model import build_pair, generated_run
 from moerun.moe.backends import resolve_backend
 from moerun.quant.formats import COMPUTE_DTYPES
 
@@ -75,16 +75,7 @@ def run_batch_bench(
         row["vs_peer"] = row["tok_s"] / row["peer_tok_s"]
         row["scaling"] = row["decode_tok_s"] / rows[0]["decode_tok_s"]
         row["peer_scaling"] = row["peer_tok_s"] / rows[0]["peer_tok_s"]
-    return {
-        "model": f"olmoe-shaped, {layers} layers",
-        "dtype": dtype,
-        "device": device,
-        "backend": backend,
-        "threads": torch.get_num_threads(),
-        "prompt_tokens": prompt_tokens,
-        "new_tokens": new_tokens,
-        "rows": rows,
-    }
+    return {**generated_run(layers, dtype, device, backend, prompt_tokens, new_tokens), "rows": rows}
 
 
 def format_batch_table(r: dict) -> str:

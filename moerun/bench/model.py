@@ -96,6 +96,27 @@ def build_pair(
     return peer, MoEModel(model_config, tensors, dtype=dtype, device=device, backend=backend)
 
 
+def generated_run(
+    layers: int,
+    dtype: str,
+    device: str,
+    backend: str,
+    prompt_tokens: int,
+    new_tokens: int,
+    generated: str = "olmoe",
+) -> dict:
+    """What a benchmark on a generated model ran on, the head of its result."""
+    return {
+        "model": f"{generated}-shaped, {layers} layers",
+        "dtype": dtype,
+        "device": device,
+        "backend": backend,
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+    }
+
+
 def run_model_bench(
     layers: int = 4,
     dtype: str = "bf16",

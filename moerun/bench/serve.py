@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moerun.bench.model import build_pair
+from moerun.bench.model import build_pair, generated_run
 from moerun.moe.backends import resolve_backend
 from moerun.quant.formats import COMPUTE_DTYPES
 
@@ -131,16 +131,7 @@ def run_serve_bench(
         server.close()
     for row in rows:
         row["scaling"] = row["tok_s"] / rows[0]["tok_s"]
-    return {
-        "model": f"olmoe-shaped, {layers} layers",
-        "dtype": dtype,
-        "device": device,
-        "backend": backend,
-        "threads": torch.get_num_threads(),
-        "prompt_tokens": prompt_tokens,
-        "new_tokens": new_tokens,
-        "rows": rows,
-    }
+    return {**generated_run(layers, dtype, device, backend, prompt_tokens, new_tokens), "rows": rows}
 
 
 def format_serve_table(r: dict) -> str:

@@ -274,12 +274,17 @@ def build_app(state: ServerState) -> Starlette:
         ready()
         return JSONResponse({"status": "ok"})
 
-    async def tokenize(request: HTTPRequest) -> Response:
+    async def text_request(request: HTTPRequest) -> tuple[Body, object]:
+        """/tokenize and /detokenize: the key, the body, a loaded model with a tokenizer."""
         check_key(request)
         body = await read_body(request)
         model, _ = ready()
         if model.tokenizer is None:
             raise bad("This model has no tokenizer.")
+        return body, model
+
+    async def tokenize(request: HTTPRequest) -> Response:
+        body, model = await text_request(request)
         text = body.text("content") if body.has("content") else body.text("prompt")
         if text is None:
             raise bad("Give the text as 'content' (or 'prompt').", "content")
@@ -287,11 +292,7 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": context_of(model)})
 
     async def detokenize(request: HTTPRequest) -> Response:
-        check_key(request)
-        body = await read_body(request)
-        model, _ = ready()
-        if model.tokenizer is None:
-            raise bad("This model has no tokenizer.")
+        body, model = await text_request(request)
         ids = body.data.get("tokens")
         vocab = model.config.vocab_size
         if not isinstance(ids, list) or not all(

@@ -2,8 +2,10 @@
 convert_hf_to_gguf.py does for its arch: the same metadata keys, tensor names (gguf-py's
 tensor_mapping), q/k rows permuted for `llama` (LlamaModel.permute), experts merged per projection
 [E, out, in] with gate and up apart (GPT-OSS's interleaved gate/up split into even and odd rows), the
-Qwen2-MoE shared-expert gate stored [H], GPT-OSS's MLP norm named post_attention_norm. One addition:
-OLMoE's clip_qkv is written as `olmoe.attention.clamp_kqv` (the converter drops it).
+Qwen2-MoE shared-expert gate stored [H], GPT-OSS's and GLM-4 MoE's MLP norm named post_attention_norm,
+GLM-4 MoE's score-correction bias as exp_probs_b.bias and its multi-token-prediction layers (made up
+here: the tiny models have none) as blocks after the decoder's. One addition: OLMoE's clip_qkv is
+written as `olmoe.attention.clamp_kqv` (the converter drops it).
 
 Expert projections may be quantised with moerun's quantisers (bit-exact with ggml's reference ones);
 the writer returns what the file then holds, dequantised, under transformers' names and layouts, so a
@@ -28,6 +30,7 @@ ARCHS = {
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     "olmoe": gguf.MODEL_ARCH.OLMOE,
     "gpt_oss": gguf.MODEL_ARCH.GPT_OSS,
+    "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
 }
 RAW_TYPES = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
@@ -53,19 +56,22 @@ def write_gguf(
     per_expert: bool = False,
     fuse_gate_up: bool = False,
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
+    nextn_blocks: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Write `model` to `path`: gate experts in format `experts`, up in `up`, down in `down` (both
     default to `experts`), attention projections in `attention` ("f32" or a block format); tensors
     named in `skip` are left out; `per_expert` writes the old one-tensor-per-expert layout and
     `fuse_gate_up` the newer fused ffn_gate_up_exps (gate rows then up rows; --fuse-gate-up-exps);
-    `extra(writer)` adds more metadata (a vocabulary: tiny_tokenizers.add_gguf_vocab).
+    `extra(writer)` adds more metadata (a vocabulary: tiny_tokenizers.add_gguf_vocab); `nextn_blocks`
+    (glm4_moe) appends that many multi-token-prediction blocks of random tensors, as the converter
+    writes a real checkpoint's `num_nextn_predict_layers`.
 
     Returns {transformers parameter name: tensor} for every parameter whose stored values differ from
     the model's (the quantised ones, dequantised, in transformers' layout)."""
     config, model_type = model.config, model.config.model_type
     arch = ARCHS[model_type]
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    _metadata(writer, config, model_type)
+    _metadata(writer, config, model_type, nextn_blocks)
     if extra is not None:
         extra(writer)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
@@ -88,7 +94,9 @@ def write_gguf(
             layout = "per_expert" if per_expert else "fused" if fuse_gate_up else "merged"
             updates.update(_experts(add, hf_name, tensor, model_type, formats, layout))
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        # as the converter's filter_tensors: a name gguf-py's tensor map knows
+        mapped = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
+        name = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
         if name.endswith("attn_sinks"):
@@ -103,11 +111,37 @@ def write_gguf(
         stored = add(name, tensor, fmt)
         if fmt != "f32":
             updates[hf_name] = llama_unpermute(stored, heads) if permute else stored
+    for block in range(config.num_hidden_layers, config.num_hidden_layers + nextn_blocks):
+        _nextn_block(writer, model.state_dict(), config, block)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return updates
+
+
+def _nextn_block(writer: gguf.GGUFWriter, state: dict, config, block: int) -> None:
+    """A GLM-4 MoE multi-token-prediction block as the converter writes one: a decoder layer's tensors
+    (the last layer's shapes, experts merged) plus nextn.eh_proj, enorm, hnorm, shared_head_norm."""
+    gen, last, H = torch.Generator().manual_seed(block), config.num_hidden_layers - 1, config.hidden_size
+    shapes = {"nextn.eh_proj.weight": (H, 2 * H), "nextn.enorm.weight": (H,), "nextn.hnorm.weight": (H,)}
+    shapes["nextn.shared_head_norm.weight"] = (H,)
+    names = gguf.get_tensor_name_map(ARCHS[config.model_type], block + 1)
+    for hf_name, tensor in state.items():
+        if not hf_name.startswith(f"model.layers.{last}."):
+            continue
+        hf_name = hf_name.replace(f"layers.{last}.", f"layers.{block}.")
+        if hf_name.endswith("experts.gate_up_proj"):
+            shapes[f"blk.{block}.ffn_gate_exps.weight"] = tensor.chunk(2, dim=-2)[0].shape
+            shapes[f"blk.{block}.ffn_up_exps.weight"] = tensor.chunk(2, dim=-2)[0].shape
+        elif hf_name.endswith("experts.down_proj"):
+            shapes[f"blk.{block}.ffn_down_exps.weight"] = tensor.shape
+        else:
+            mapped = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
+            shapes[names.get_name(mapped, try_suffixes=(".weight", ".bias"))] = tensor.shape
+    for name, shape in shapes.items():
+        name = name if name.startswith("blk.") else f"blk.{block}.{name}"
+        writer.add_tensor(name, torch.randn(shape, generator=gen).numpy())
 
 
 def _quantize(tensor: torch.Tensor, fmt: str):
@@ -173,10 +207,10 @@ def _experts(add, hf_name: str, tensor: torch.Tensor, model_type: str, formats: 
     return {hf_name: fused.transpose(-1, -2) if gpt_oss else fused}
 
 
-def _metadata(writer: gguf.GGUFWriter, config, model_type: str) -> None:
+def _metadata(writer: gguf.GGUFWriter, config, model_type: str, nextn_blocks: int = 0) -> None:
     """TextModel.set_gguf_parameters plus each model class's additions."""
     _check_representable(config, model_type)
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers + nextn_blocks)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
@@ -216,6 +250,18 @@ def _metadata(writer: gguf.GGUFWriter, config, model_type: str) -> None:
     if model_type == "gpt_oss":
         writer.add_sliding_window(config.sliding_window)
         writer.add_expert_feed_forward_length(config.intermediate_size)
+    if model_type == "glm4_moe":  # Glm4MoeModel.set_gguf_parameters
+        rotary = config.rope_parameters.get("partial_rotary_factor", 0.5)
+        writer.add_rope_dimension_count(
+            int((head_dim or config.hidden_size // config.num_attention_heads) * rotary)
+        )
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+        writer.add_nextn_predict_layers(nextn_blocks)
     for key, value in (("bos", config.bos_token_id), ("eos", config.eos_token_id)):
         if value is not None:
             writer.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
@@ -239,6 +285,8 @@ def _check_representable(config, model_type: str) -> None:
         ]
         if list(config.layer_types) != pattern:
             problems.append("llama.cpp's gpt-oss has sliding windows on even layers only")
+    if model_type == "glm4_moe" and (config.n_group, config.topk_group) != (1, 1):
+        problems.append("llama.cpp's glm4moe routes without expert groups")
     if problems:
         raise ValueError(f"{model_type} config not representable in GGUF: {'; '.join(problems)}.")
 

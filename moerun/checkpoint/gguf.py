@@ -57,6 +57,7 @@ _LAYER = {  # name inside blk.{i} -> canonical name inside layers.{i}
     "attn_sinks.weight": "attn.sinks",
     "ffn_gate_inp.weight": "moe.router.weight",
     "ffn_gate_inp.bias": "moe.router.bias",
+    "exp_probs_b.bias": "moe.router.score_bias",
     "ffn_gate_up_exps.weight": "moe.experts.gate_up",
     "ffn_gate_up_exps.bias": "moe.experts.gate_up_bias",
     "ffn_down_exps.weight": "moe.experts.down",
@@ -86,6 +87,7 @@ class _GateUp:
 _REQUIRED = object()
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
+_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's llama_expert_gating_func_type
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _PER_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # llama.cpp's layout before merged experts
 # metadata key (after "{arch}.") -> the config field whose rule (moerun.families.fields) it obeys
@@ -108,6 +110,10 @@ _AS_FIELD = {
     "rope.scaling.yarn_beta_fast": "beta_fast",
     "rope.scaling.yarn_beta_slow": "beta_slow",
     "attention.sliding_window": "sliding_window",
+    "nextn_predict_layers": "num_nextn_predict_layers",
+    "leading_dense_block_count": "first_k_dense_replace",
+    "expert_shared_count": "n_shared_experts",
+    "expert_weights_norm": "norm_topk_prob",
 }
 _ROPE_FIELDS = {"rope_theta", "original_max_position_embeddings", "beta_fast", "beta_slow"}
 # config field -> the metadata key it is read from, for messages about the config built from them
@@ -118,6 +124,7 @@ _FROM_KEY = {
     "num_local_experts": "expert_count",
     "clip_qkv": "attention.clamp_kqv",
     "rope_parameters.factor": "rope.scaling.factor",
+    "routed_scaling_factor": "expert_weights_scale",  # read unchecked: other archs refuse any but 0, 1
 }
 
 
@@ -190,16 +197,26 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
         value = _single(md[name], name, gguf)
         return check_field(_AS_FIELD[key], value, f"metadata key {name}") if key in _AS_FIELD else value
 
-    n, hidden, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
+    blocks, hidden, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
+    n = blocks - get("nextn_predict_layers", 0)  # the last blocks predict further tokens: skipped
+    if n < 1:
+        raise GGUFMetadataError(
+            f"{gguf.path}: {arch}.nextn_predict_layers leaves none of the {blocks} blocks to decode."
+        )
     experts = get("expert_count", 0)
     if not experts:
         raise CheckpointError(f"{gguf.path}: a {arch} model without experts; moerun runs MoE models only.")
     head_dim = get("attention.key_length", hidden // heads)
-    if get("rope.dimension_count", head_dim) != head_dim:
-        raise CheckpointError(f"{gguf.path}: RoPE over part of each head is not supported.")
+    rope_dims = get("rope.dimension_count", head_dim)
+    if rope_dims != head_dim and not (facts.partial_rotary and rope_dims < head_dim):
+        what = "more than the head" if facts.partial_rotary else "part of each head"
+        raise CheckpointError(
+            f"{gguf.path}: {arch}.rope.dimension_count is {rope_dims} for heads of {head_dim}; RoPE over "
+            f"{what} is not supported."
+        )
     if "token_embd.weight" not in names:
         raise CheckpointError(f"{gguf.path}: has no token_embd.weight tensor.")
-    if get("expert_weights_scale", 0.0) not in (0, 1):
+    if not facts.deepseek_moe_keys and get("expert_weights_scale", 0.0) not in (0, 1):
         raise CheckpointError(f"{gguf.path}: {arch}.expert_weights_scale is not supported for {arch}.")
     ff = get("feed_forward_length", 0)
     dense = [
@@ -237,6 +254,7 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
         "eos_token_id": sorted(set(eos), key=eos.index),
         "qkv_bias": bias,
         "attention_bias": bias,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in names,  # read where the arch makes it optional
         "clip_qkv": (get("attention.clamp_kqv", 0.0) or None) if facts.clamp_kqv else None,
         "use_sliding_window": False,
         "sliding_window": None,
@@ -260,8 +278,34 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
             )
         config["sliding_window"] = get("attention.sliding_window")
         config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if facts.partial_rotary:
+        config["rope_parameters"]["partial_rotary_factor"] = rope_dims / head_dim
+    if facts.deepseek_moe_keys:
+        config.update(_deepseek_moe(gguf, arch, get, facts))
     config.update(facts.swiglu)
     return config
+
+
+def _deepseek_moe(gguf: GGUFFile, arch: str, get, facts: GGUFFacts) -> dict:
+    """The DeepSeek-style MoE keys as config.json keys; where a key is absent, what llama.cpp
+    assumes (no dense layers, no renormalisation, `facts.default_gating`), except expert_weights_scale:
+    absent or 0 (llama.cpp's "not set") scales by 1, as transformers' routed_scaling_factor does."""
+    gating = get("expert_gating_func", 0)
+    scoring = (
+        facts.default_gating if gating == 0 else _GATING.get(gating) if isinstance(gating, int) else None
+    )
+    if scoring is None:
+        raise GGUFMetadataError(
+            f"{gguf.path}: {arch}.expert_gating_func is {quote(gating)}; moerun knows "
+            f"{', '.join(f'{k} ({v})' for k, v in _GATING.items())}."
+        )
+    return {
+        "first_k_dense_replace": get("leading_dense_block_count", 0),
+        "n_shared_experts": get("expert_shared_count", 0),
+        "routed_scaling_factor": get("expert_weights_scale", 0.0) or 1.0,
+        "norm_topk_prob": get("expert_weights_norm", False),
+        "scoring_func": scoring,
+    }
 
 
 def _rope(gguf: GGUFFile, arch: str, get, facts: GGUFFacts) -> dict:
@@ -308,8 +352,14 @@ def _canonical_tensors(
     tensors: dict[str, Tensor | ExpertPieces] = {}
     blocks: dict[int, dict[str, str]] = {}  # layer -> name inside the block -> file name
     per_expert: dict[int, dict[str, dict[int, str]]] = {}  # old layout: layer -> proj -> expert -> name
+    # the blocks after the decoder's (nextn_predict_layers: next-token prediction), which llama.cpp
+    # loads and never runs
+    count = f"{arch}.block_count"
+    skipped = range(config.num_layers, _single(gguf.metadata[count], count, gguf))
     for name in gguf.tensor_names():
-        if m := _BLOCK.fullmatch(name):
+        if (m := _BLOCK.fullmatch(name)) and int(m.group(1)) in skipped:
+            continue
+        if m:
             if old := _PER_EXPERT.fullmatch(m.group(2)):
                 per_expert.setdefault(int(m.group(1)), {}).setdefault(old[1], {})[int(old[2])] = name
             else:

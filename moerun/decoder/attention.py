@@ -1,6 +1,7 @@
 """Grouped-query attention over a preallocated KV cache, with the variants the MoE families use:
 biases, q/k RMSNorm per head (Qwen3) or over all heads (OLMoE), clipped q/k/v (OLMoE), sliding
-windows and per-head attention sinks (GPT-OSS).
+windows, per-head attention sinks (GPT-OSS) and partial rotary (GLM-4: q and k in the order of each
+head's dims that moerun.decoder.rope's `head_order` gives, so the KV cache holds keys in that order).
 
 Queries are processed as a chunk of positions [start, start + T) against the keys [0, start + T)
 already in the cache (sliding layers: only the window), so memory is T x cached, never a full
@@ -20,6 +21,27 @@ from moerun.decoder.config import AttentionSpec
 from moerun.decoder.norm import rms_norm
 from moerun.decoder.rope import Rotary
 from moerun.linear import Linear, linear, native_weight
+from moerun.quant.formats import QTensor
+
+
+def _heads_reordered(
+    spec: AttentionSpec, t: Mapping[str, torch.Tensor | QTensor], order: torch.Tensor
+) -> dict[str, torch.Tensor | QTensor]:
+    """q and k with each head's dims in `order` (indices into a head of head_dim): the rows of their
+    weights (quantised ones by whole rows of bytes) and biases, and their norm weights."""
+    D, out = spec.head_dim, {}
+    for proj, heads in (("q", spec.heads), ("k", spec.kv_heads)):
+        rows = (torch.arange(heads)[:, None] * D + order[None, :]).reshape(-1)  # [heads * D]
+        for name, index in (
+            (f"{proj}.weight", rows),
+            (f"{proj}.bias", rows),
+            (f"{proj}_norm.weight", order if spec.qk_norm == "head" else rows),
+        ):
+            if (w := t.get(name)) is not None:
+                data = w.data if isinstance(w, QTensor) else w
+                picked = data.index_select(0, index.to(data.device))  # a fresh tensor, 64-byte aligned
+                out[name] = QTensor(w.format, w.shape, picked) if isinstance(w, QTensor) else picked
+    return out
 
 
 class Attention:
@@ -33,6 +55,9 @@ class Attention:
     ):
         """`project`: how the q, k, v and o projections compute (moerun.linear, as the model chose)."""
         self.spec, self.t, self.rotary, self.window = spec, dict(tensors), rotary, sliding_window
+        order = rotary.head_order()
+        if order is not None:
+            self.t.update(_heads_reordered(spec, self.t, order))
         self.groups = spec.heads // spec.kv_heads
         self.project = project
 

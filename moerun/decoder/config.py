@@ -18,7 +18,8 @@ __all__ = ["AttentionSpec", "ConfigError", "MLASpec", "ModelConfig", "RopeSpec"]
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotary embedding over the whole head (`kind`: default, linear or yarn, as transformers names them)."""
+    """Rotary embedding over each head, or over its first `rotary_dims` (GLM-4) (`kind`: default,
+    linear or yarn, as transformers names them)."""
 
     theta: float
     kind: str = "default"
@@ -30,6 +31,7 @@ class RopeSpec:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    rotary_dims: int | None = None  # partial rotary: the first this many dims of a head; None: all
 
     def __post_init__(self):
         if self.kind not in ("default", "linear", "yarn"):

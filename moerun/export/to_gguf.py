@@ -215,12 +215,33 @@ def model_metadata(config: ModelConfig, arch: str, name: str, spec: QuantizeSpec
         keys["attention.clamp_kqv"] = float(attention.clip_qkv)  # moerun's addition; the converter drops it
     if facts.swa_period is not None:
         keys["attention.sliding_window"] = next((w for w in config.sliding_windows if w), 0)
+    if facts.partial_rotary:  # Glm4MoeModel: int(head_dim * partial_rotary_factor)
+        keys["rope.dimension_count"] = rope.rotary_dims or attention.head_dim
+    if facts.deepseek_moe_keys:
+        keys.update(_deepseek_moe_keys(config, facts.default_gating))
     return {
         "general.architecture": arch,
         "general.name": name,
         "general.file_type": FILE_TYPES[spec.experts],
         "general.quantization_version": QUANTIZATION_VERSION,
         **{f"{arch}.{key}": value for key, value in keys.items()},
+    }
+
+
+def _deepseek_moe_keys(config: ModelConfig, gating: str) -> dict[str, object]:
+    """leading_dense_block_count, expert_shared_count and the routing's keys, as Glm4MoeModel writes
+    them, the gating the arch's family routes by (what these keys cannot say, such as expert groups,
+    the read-back comparison refuses)."""
+    moe, routing = config.moe, config.moe.routing
+    return {
+        "leading_dense_block_count": next(
+            (i for i, m in enumerate(config.moe_layers) if m), config.num_layers
+        ),
+        "expert_shared_count": moe.shared_intermediate // moe.intermediate,
+        "expert_gating_func": {"softmax": 1, "sigmoid": 2}[gating],  # llama_expert_gating_func_type
+        "expert_weights_scale": float(routing.routed_scaling),
+        "expert_weights_norm": bool(getattr(routing, "renormalize", False)),
+        "nextn_predict_layers": 0,  # moerun loads no multi-token-prediction layers to write
     }
 
 
@@ -243,8 +264,9 @@ def _check_same_model(
     config: ModelConfig, arch: str, metadata: dict, shapes: dict[str, tuple[int, ...]], root: Path
 ) -> None:
     """Refuse a model that the file would describe differently, as moerun and llama.cpp read it."""
-    if not all(config.moe_layers):
-        dense = [i for i, moe in enumerate(config.moe_layers) if not moe]
+    dense = [i for i, moe in enumerate(config.moe_layers) if not moe]
+    leading = gguf_facts(arch).deepseek_moe_keys and dense == list(range(len(dense)))  # first k dense
+    if dense and not leading:
         raise ExportError(
             f"{root}: layers {dense} have a dense MLP, but llama.cpp's {arch} has experts in every layer."
         )

@@ -21,6 +21,7 @@ FAMILIES = (
     "deepseek_v3",
     "phimoe",
     "granitemoe",
+    "glm4_moe",
 )
 
 
@@ -48,6 +49,12 @@ class GGUFFacts:
     swiglu: dict[str, float] = field(default_factory=dict)
     swa_period: int | None = None
     yarn_truncate: bool = True
+    # glm4moe (deepseek2 reads the same): the DeepSeek-style MoE keys leading_dense_block_count,
+    # expert_shared_count, expert_weights_scale / _norm and expert_gating_func (`default_gating`
+    # where that key is absent)
+    deepseek_moe_keys: bool = False
+    default_gating: str = "softmax"
+    partial_rotary: bool = False  # rope.dimension_count may be the first part of each head (GLM-4)
 
 
 def family(model_type: str) -> ModuleType:

@@ -196,6 +196,7 @@ FIELDS: dict[str, Count | Number | Flag | Choice | Ids | Each | Section] = {
     "qk_nope_head_dim": Count(0, 4096),
     "v_head_dim": Count(1, 4096),
     "first_k_dense_replace": Count(0, 1024),
+    "num_nextn_predict_layers": Count(0, 1024),  # GLM-4 MoE: multi-token-prediction layers after the rest
     "moe_layer_freq": Count(1, 1024),
     "partial_rotary_factor": Number(0, 1),
     "use_qk_norm": Flag(),

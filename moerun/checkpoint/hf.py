@@ -27,11 +27,15 @@ _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
 _TOP = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
+    "model.norm.bias": "norm.bias",  # LayerNorm's (PhiMoE)
     "lm_head.weight": "lm_head.weight",
+    "lm_head.bias": "lm_head.bias",
 }
 _IN_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "mlp_norm.weight",
+    "input_layernorm.bias": "attn_norm.bias",
+    "post_attention_layernorm.bias": "mlp_norm.bias",
 }
 _ATTENTION = re.compile(
     r"self_attn\.(?:([qkvo]|q_a|q_b|kv_b)_proj\.(weight|bias)|(kv_a)_proj_with_mqa\.(weight|bias)"
@@ -171,7 +175,10 @@ def _moe_block(model_type: str, block: dict[str, str], get, release, assemble: b
     fused: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     quantised: dict[str, QTensor] = {}
+    # a family's original-format names (checkpoints saved with save_original_format) -> transformers'
+    renamed = getattr(family(model_type), "ORIGINAL_NAMES", {})
     for rel, name in block.items():
+        rel = renamed.get(rel, rel)
         if m := _PER_EXPERT.fullmatch(rel):
             per_expert[_ROLE[m.group(2)]][int(m.group(1))] = name
         elif rel.endswith("_blocks") and (scales := block.get(rel[: -len("_blocks")] + "_scales")):

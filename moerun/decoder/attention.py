@@ -177,7 +177,7 @@ class Attention:
                 allowed &= q_pos - k_pos < self.window
         if not self.spec.sinks:
             return F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=allowed, enable_gqa=self.groups > 1
+                q, keys, values, attn_mask=allowed, enable_gqa=self.groups > 1, scale=self.spec.softmax_scale
             )
         return self._attend_with_sinks(q, keys, values, allowed)
 
@@ -186,7 +186,8 @@ class Attention:
         B, nh, T, D = q.shape
         nkv, S = keys.shape[1], keys.shape[2]
         grouped = q.reshape(B, nkv, self.groups * T, D)  # query heads of one kv head together
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * D**-0.5  # [B, nkv, g*T, S]
+        scale = D**-0.5 if self.spec.softmax_scale is None else self.spec.softmax_scale
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale  # [B, nkv, g*T, S]
         scores = scores.view(B, nkv, self.groups, T, S)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))

@@ -55,6 +55,7 @@ class AttentionSpec:
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to ±clip_qkv
     sinks: bool = False  # GPT-OSS: a learned logit per head that joins every softmax
     norm_eps: float = 1e-6
+    softmax_scale: float | None = None  # the scores' scale (GraniteMoE's own); None: 1/sqrt(head_dim)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -165,10 +166,19 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    norm: str = "rms"  # every norm of the stack: "rms" (RMSNorm) or "layer" (LayerNorm with a bias: PhiMoE)
+    lm_head_bias: bool = False  # PhiMoE's lm_head_bias
+    # GraniteMoE: the embeddings times `embedding_multiplier`, each block's output times
+    # `residual_multiplier` before it joins the residual stream, the logits divided by `logits_scaling`
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         if len(self.moe_layers) != self.num_layers or len(self.sliding_windows) != self.num_layers:
             raise ConfigError("moe_layers and sliding_windows need one entry per layer.")
+        if self.norm not in ("rms", "layer"):
+            raise ConfigError(f"norm {self.norm!r} is not supported; moerun knows 'rms' and 'layer'.")
         attention, moe = self.attention, self.moe
         if attention.heads % attention.kv_heads:
             raise ConfigError(
@@ -189,13 +199,15 @@ class ModelConfig:
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         H = self.hidden
-        shapes = {"embed.weight": (self.vocab_size, H), "norm.weight": (H,)}
+        norm = ("weight", "bias") if self.norm == "layer" else ("weight",)
+        shapes = {"embed.weight": (self.vocab_size, H), **{f"norm.{k}": (H,) for k in norm}}
         if not self.tie_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, H)
+        if self.lm_head_bias:
+            shapes["lm_head.bias"] = (self.vocab_size,)
         for i in range(self.num_layers):
             p = f"layers.{i}."
-            shapes[p + "attn_norm.weight"] = (H,)
-            shapes[p + "mlp_norm.weight"] = (H,)
+            shapes.update({f"{p}{which}_norm.{k}": (H,) for which in ("attn", "mlp") for k in norm})
             shapes.update({p + "attn." + k: s for k, s in self.attention.tensor_shapes().items()})
             if self.moe_layers[i]:
                 shapes.update({p + "moe." + k: s for k, s in self.moe.tensor_shapes().items()})

@@ -18,7 +18,7 @@ from moerun.decoder.attention import Attention
 from moerun.decoder.config import AttentionSpec, MLASpec, ModelConfig
 from moerun.decoder.kv_cache import KVCache
 from moerun.decoder.mla import MLAttention
-from moerun.decoder.norm import rms_norm
+from moerun.decoder.norm import normed, rms_norm
 from moerun.decoder.rope import Rotary
 from moerun.generate import Generator
 from moerun.linear import Linear, linear
@@ -90,17 +90,25 @@ class MoEModel:
             t = dequantize(t) if isinstance(t, QTensor) else t
             return place(t, self.device, dtype, own=own)
 
+        def bias(name: str, present: bool) -> torch.Tensor | None:
+            return dense(name) if present else None
+
+        layer_norm = config.norm == "layer"  # the norms' biases (LayerNorm); None: RMSNorm
         self.embed = dense("embed.weight")  # [V, H]
         self.lm_head = self.embed if config.tie_embeddings else dense("lm_head.weight")
-        self.norm = dense("norm.weight")
+        self.lm_head_bias = bias("lm_head.bias", config.lm_head_bias)
+        self.norm, self.norm_bias = dense("norm.weight"), bias("norm.bias", layer_norm)
         self.rotary = Rotary(config.attention.rope, config.attention.head_dim, self.device)
         self.attn_norms, self.mlp_norms, self.attentions, self.mlps = [], [], [], []
+        self.attn_norm_biases, self.mlp_norm_biases = [], []
         for i in range(config.num_layers):
             if progress:
                 progress(i, config.num_layers)
             p = f"layers.{i}."
             self.attn_norms.append(dense(p + "attn_norm.weight"))
             self.mlp_norms.append(dense(p + "mlp_norm.weight"))
+            self.attn_norm_biases.append(bias(p + "attn_norm.bias", layer_norm))
+            self.mlp_norm_biases.append(bias(p + "mlp_norm.bias", layer_norm))
             attn_tensors = {k: dense(p + "attn." + k) for k in config.attention.tensor_shapes()}
             kind = MLAttention if isinstance(config.attention, MLASpec) else Attention
             self.attentions.append(
@@ -125,10 +133,15 @@ class MoEModel:
                 act = config.dense_activation
                 self.mlps.append(DenseMLP(dense(p + "mlp.gate_up"), dense(p + "mlp.down"), act, self.project))
         # one token of one sequence on the native CPU kernels: each layer's attention block one call,
-        # its MoE block two (built on the first such step)
+        # its MoE block two (built on the first such step). Those calls compute RMSNorms, scale scores
+        # by 1/sqrt(head_dim) and add each block's output as it is: other stacks (PhiMoE's LayerNorms,
+        # GraniteMoE's multipliers) decode through `_run`, their MoE layers still on the native kernels
         self._native_decode = (
             native
             and isinstance(config.attention, AttentionSpec)
+            and config.attention.softmax_scale is None
+            and config.norm == "rms"
+            and config.residual_multiplier == 1.0
             and all(
                 mlp.decodes_natively for mlp, moe in zip(self.mlps, config.moe_layers, strict=True) if moe
             )
@@ -196,7 +209,6 @@ class MoEModel:
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """ids [B, T] at `positions` [T] -> final hidden states [B, T, H]; `attend(i, attention, h,
         cos_sin)` runs layer i's attention on normed hidden states h against the right cache."""
-        eps = self.config.norm_eps
         # quantised linears on the native kernels compute in fp32: the activations stay fp32 between
         # them (as in a decode step), no round trips through the compute dtype; the KV cache keeps it
         act_dtype = torch.float32 if self._fp32_activations else self.dtype
@@ -208,16 +220,27 @@ class MoEModel:
         # layer (a host sync per layer would stall a GPU between layers)
         checks: list[RouterCheck] = []
         for i, (attn, mlp) in enumerate(zip(self.attentions, self.mlps, strict=True)):
-            x = x + attend(i, attn, rms_norm(x, self.attn_norms[i], eps), cos_sin)
-            h = rms_norm(x, self.mlp_norms[i], eps)
+            x = x + self._residual(attend(i, attn, self._attn_norm(i, x), cos_sin))
+            h = self._mlp_norm(i, x)
             if not self.config.moe_layers[i]:
-                x = x + mlp(h)
+                x = x + self._residual(mlp(h))
                 continue
-            x = x + mlp(h, after_fetch=self._after_fetch(i, x), router_checks=checks)
+            x = x + self._residual(mlp(h, after_fetch=self._after_fetch(i, x), router_checks=checks))
         raise_on_bad_router_logits(checks)
         if self.expert_cache is not None:
             self.expert_cache.end_step()
-        return rms_norm(x, self.norm, eps).to(self.dtype)
+        return normed(x, self.norm, self.norm_bias, self.config.norm_eps).to(self.dtype)
+
+    def _attn_norm(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return normed(x, self.attn_norms[i], self.attn_norm_biases[i], self.config.norm_eps)
+
+    def _mlp_norm(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return normed(x, self.mlp_norms[i], self.mlp_norm_biases[i], self.config.norm_eps)
+
+    def _residual(self, out: torch.Tensor) -> torch.Tensor:
+        """A block's output as it joins the residual stream (GraniteMoE: times residual_multiplier)."""
+        r = self.config.residual_multiplier
+        return out if r == 1.0 else out * r
 
     def _decode_native(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """`forward` of one token of one sequence on the native kernels. The residual stream stays
@@ -257,7 +280,7 @@ class MoEModel:
         """Start loading the `prefetch_k` experts MoE layer `layer`'s router ranks highest for the
         current hidden states x [B, T, H] (by routing probability summed over tokens)."""
         moe = self.mlps[layer]
-        h = rms_norm(x, self.mlp_norms[layer], self.config.norm_eps).reshape(-1, moe.spec.hidden)
+        h = self._mlp_norm(layer, x).reshape(-1, moe.spec.hidden)
         logits = router_logits(h, moe.tensors["router.weight"], moe.tensors.get("router.bias"))  # [T, E]
         mass = logits.softmax(dim=-1).sum(dim=0)  # [E]
         top = mass.topk(min(self.prefetch_k, mass.numel())).indices.tolist()
@@ -266,19 +289,25 @@ class MoEModel:
     def hidden_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., H] -> logits fp32 [..., vocab] (the native kernels compute them in
         fp32 and return them so, not rounded to the compute dtype)."""
-        return self.project(hidden.float() if self._native_linears else hidden, self.lm_head).float()
+        hidden = hidden.float() if self._native_linears else hidden
+        logits = self.project(hidden, self.lm_head, self.lm_head_bias).float()
+        scaling = self.config.logits_scaling  # GraniteMoE's
+        return logits if scaling == 1.0 else logits / scaling
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] -> their embedding rows [B, T, H] in the compute dtype (a quantised table's
-        rows are dequantised as they are looked up)."""
+        rows are dequantised as they are looked up), times the embedding multiplier (GraniteMoE)."""
         if isinstance(self.embed, QTensor) and self._native_linears:
             rows = cpu.dequantize_rows(self.embed.format.name, self.embed.data, self.embed.shape[1], ids)
-            return rows.to(self.dtype).view(*ids.shape, -1)
-        if isinstance(self.embed, QTensor):
-            rows = self.embed.data[ids.reshape(-1)]  # [B*T, row_bytes]
+            rows = rows.to(self.dtype).view(*ids.shape, -1)
+        elif isinstance(self.embed, QTensor):
+            data = self.embed.data[ids.reshape(-1)]  # [B*T, row_bytes]
             # a few rows: the torch dequantiser (numba would compile, costing more than it saves)
-            return dequantize_bytes(self.embed.format, rows, self.dtype, numba=False).view(*ids.shape, -1)
-        return F.embedding(ids, self.embed)
+            rows = dequantize_bytes(self.embed.format, data, self.dtype, numba=False).view(*ids.shape, -1)
+        else:
+            rows = F.embedding(ids, self.embed)
+        m = self.config.embedding_multiplier
+        return rows if m == 1.0 else rows * m
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:

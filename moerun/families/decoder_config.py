@@ -113,7 +113,9 @@ def model_config(
     attention: AttentionSpec | MLASpec,
     moe_layers: Sequence[bool] | None = None,
     sliding_windows: Sequence[int | None] | None = None,
+    **stack,
 ) -> ModelConfig:
+    """`stack`: the ModelConfig fields a family sets itself (norm kind, lm_head bias, multipliers)."""
     n = config["num_hidden_layers"]
     return ModelConfig(
         model_type=config["model_type"],
@@ -131,4 +133,5 @@ def model_config(
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids(config),
+        **stack,
     )

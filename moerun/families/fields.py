@@ -204,6 +204,13 @@ FIELDS: dict[str, Count | Number | Flag | Choice | Ids | Each | Section] = {
     "rope_interleave": Flag(),
     "rope_parameters": Section(),
     "rope_scaling": Section(),
+    # PhiMoE
+    "lm_head_bias": Flag(),
+    # GraniteMoE's multipliers
+    "embedding_multiplier": Number(0, 1e6),
+    "residual_multiplier": Number(0, 1e6),
+    "attention_multiplier": Number(0, 1e6),
+    "logits_scaling": Number(0, 1e6),
 }
 
 

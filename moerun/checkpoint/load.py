@@ -18,6 +18,7 @@ import torch
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.model import MoEModel, check_model_tensors
+from moerun.distributed import ExpertParallel
 from moerun.errors import CheckpointError, ConfigError, in_file, shorten
 from moerun.families import family
 from moerun.families.fields import CheckedConfig
@@ -134,6 +135,7 @@ def load(
     dequant_cache_gb: float = 0.0,
     progress: Callable[[int, int], None] | None = None,
     int8_activations: bool | None = None,
+    expert_parallel: bool | ExpertParallel = False,
 ) -> MoEModel:
     """Open a checkpoint: a Hugging Face safetensors directory (or a hub id found in the local
     cache) or a GGUF file.
@@ -148,11 +150,21 @@ def load(
     `backend`: "auto" picks triton on CUDA, on a CPU "cpu" (the native kernels, weights kept in the
     file's format) where they run, else "torch". `int8_activations`: quantise activations per block
     to int8 for integer dot products, as llama.cpp does (faster; None: on for bf16/f16 on the cpu
-    backend, off for fp32, whose logits then stay within 1e-4 of the fp32 reference)."""
+    backend, off for fp32, whose logits then stay within 1e-4 of the fp32 reference).
+
+    `expert_parallel`: True (or a moerun.distributed.ExpertParallel) to hold only this rank's share
+    of every MoE layer's experts, in the torch.distributed group torchrun started (joined here when
+    needed); every rank must load the same checkpoint with the same options, which is checked."""
     if prefetch_k and expert_cache_gb is None:
         raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
     if host_cache_gb and expert_cache_gb is None:
         raise ValueError("host_cache_gb needs expert_cache_gb: the host tier serves the streamed experts.")
+    if expert_parallel and expert_cache_gb is not None:
+        raise ValueError(
+            "Expert parallelism does not stream experts yet: give expert_parallel or expert_cache_gb."
+        )
+    if expert_parallel is True:
+        expert_parallel = ExpertParallel.from_env(device=str(device))
     root = resolve_checkpoint(path)
     backend = resolve_backend(backend, torch.device(device))
     gguf = checkpoint = None
@@ -165,8 +177,15 @@ def load(
         directory, weights = hf_paths(root)
         model_config = hf_model_config(directory)
         checkpoint = SafetensorsCheckpoint(weights)
+    if expert_parallel:
+        options = f"{model_config!r} {dtype} {backend} {int8_activations}"
+        expert_parallel.check_same("checkpoint config and options", options)
     fit = None
-    if expert_cache_gb is None and (free := free_device_memory(torch.device(device))) is not None:
+    if (
+        not expert_parallel
+        and expert_cache_gb is None
+        and (free := free_device_memory(torch.device(device))) is not None
+    ):
         dense, experts = _gguf_bytes(gguf, dtype) if gguf is not None else _hf_bytes(checkpoint, dtype)
         fit = auto_budget(free, dense, experts, _kv_reserve_bytes(model_config, dtype))
         if fit.budget_bytes is not None:
@@ -208,6 +227,7 @@ def load(
         prefetch_k=prefetch_k,
         tokenizer=tokenizer,
         options=KernelOptions(int8_activations=int8_activations),
+        expert_parallel=expert_parallel or None,
     )
 
 

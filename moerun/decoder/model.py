@@ -61,6 +61,7 @@ class MoEModel:
         prefetch_k: int | None = None,
         tokenizer: Tokenizer | None = None,
         options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
+        expert_parallel=None,
     ):
         """`backend`: a resolved backend name (moerun.moe.backends); with "cpu" every linear runs on
         the native CPU kernels and quantised weights stay in the file's format, else they are
@@ -68,10 +69,13 @@ class MoEModel:
         bar). `expert_cache`: stream the routed experts through it (moerun.offload) instead of
         placing them all on the device; `prefetch_k`: while a MoE layer computes, start loading that
         many of the next MoE layer's experts as predicted by its router on the current hidden state.
-        `options`: how the kernels compute (int8 activations or not)."""
+        `options`: how the kernels compute (int8 activations or not). `expert_parallel` (a
+        moerun.distributed.ExpertParallel): this rank holds only its share of each MoE layer's
+        experts and exchanges each step's rows with the other ranks."""
         check_model_tensors(config, tensors)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.expert_cache, self.prefetch_k = expert_cache, prefetch_k or 0
+        self.expert_parallel = expert_parallel
         self.tokenizer = tokenizer  # text prompts and outputs; None: ids only
         self.prefill_chunk = prefill_chunk
         self.generator = Generator(self)
@@ -127,6 +131,7 @@ class MoEModel:
                         dequant_cache=dequant_cache,
                         stream=LayerStream(expert_cache, p + "moe") if expert_cache is not None else None,
                         options=options,
+                        parallel=expert_parallel,
                     )
                 )
             else:
@@ -352,8 +357,18 @@ class MoEModel:
         return self.generator.generate(prompt, max_new_tokens, **options)
 
     def stats(self) -> dict:
-        """Figures of the last generation (see moerun.generate.Generator.stats)."""
-        return self.generator.stats()
+        """Figures of the last generation (see moerun.generate.Generator.stats); with expert
+        parallelism also this rank's placement and its exchanges (bytes, milliseconds)."""
+        run = self.generator.stats()
+        if self.expert_parallel is not None:
+            ep = self.expert_parallel
+            run["expert_parallel"] = {
+                "rank": ep.rank,
+                "world": ep.world,
+                "placement": ep.placement(self.config.moe.num_experts),
+                **ep.stats.as_dict(),
+            }
+        return run
 
     def close(self) -> None:
         """Stop expert streaming's reader threads (waiting for reads in flight) and close its files."""

@@ -35,8 +35,13 @@ class ExpertWeights:
         layer_name: str,
         cache: DequantCache | None = None,
         stream=None,
+        owned: list[int] | None = None,
     ):
+        """`owned` (expert parallelism): the stacked tensors hold only these experts, in this order;
+        expert e is row owned.index(e) of them."""
         self.gate_up, self.down = gate_up, down
+        self.owned = owned
+        self._row = {e: i for i, e in enumerate(owned)} if owned is not None else None
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
         self.dtype = dtype  # compute dtype of the projections
         self.layer_name = layer_name
@@ -48,6 +53,7 @@ class ExpertWeights:
         """Expert e's weights of `projection`: [out, in] dense, or a QTensor of one expert."""
         weight = self.gate_up if projection == "gate_up" else self.down
         if self.stream is None:
+            e = e if self._row is None else self._row[e]
             return weight.expert(e) if isinstance(weight, QTensor) else weight[e]
         data = self.stream.tensors(e)[projection]
         return QTensor(weight.format, weight.shape[1:], data) if isinstance(weight, QTensor) else data
@@ -92,7 +98,9 @@ class ExpertWeights:
 
     def bias(self, projection: str, e: int) -> torch.Tensor | None:
         bias = self.gate_up_bias if projection == "gate_up" else self.down_bias
-        return None if bias is None else bias[e]
+        if bias is None:
+            return None
+        return bias[e if self._row is None else self._row[e]]
 
 
 def _dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from moerun.activations import GLU, Activation
 from moerun.errors import TensorError, shorten
-from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, Backend, KernelOptions, get_backend
+from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, Backend, KernelOptions, get_backend, torch_backend
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
 from moerun.moe.plan import TokenPlan
@@ -97,10 +97,14 @@ class MoELayer:
         dequant_cache: DequantCache | None = None,
         stream=None,
         options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
+        parallel=None,
     ):
         """`stream` (a moerun.offload.LayerStream): the expert projections in `tensors` stay on the
         host and each step's experts are fetched into the shared expert cache's slots. `options`:
-        how the kernels compute (moerun.moe.backends.KernelOptions)."""
+        how the kernels compute (moerun.moe.backends.KernelOptions). `parallel` (expert
+        parallelism: a moerun.distributed.ExpertParallel): `tensors` hold only this rank's share of
+        the experts (`parallel.shard(E).owned`), and each step's rows are exchanged with the other
+        ranks before the combine."""
         self.spec = spec
         self.options = options
         self.name = name
@@ -119,7 +123,9 @@ class MoELayer:
             layer_name=name,
             cache=dequant_cache,
             stream=stream,
+            owned=parallel.shard(spec.num_experts).owned if parallel is not None else None,
         )
+        self.parallel = parallel
         unsupported = getattr(self.backend, "unsupported", None)
         if unsupported is not None and (reason := unsupported(self.experts)):
             warnings.warn(f"{reason}; such MoE layers run on the torch backend.", stacklevel=2)
@@ -143,14 +149,21 @@ class MoELayer:
         dequant_cache: DequantCache | None = None,
         stream=None,
         options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
+        parallel=None,
     ) -> MoELayer:
         """Check every tensor against the spec (all problems in one error), then build the layer.
 
         Router tensors are kept in fp32; quantised expert projections stay quantised; the rest take
         `dtype` (default: the dense expert weights' dtype, or fp32 when all of them are quantised).
         With a `stream` the expert projections are left where they are (the store reads them) and
-        every other tensor is copied off the checkpoint's map, so only the store touches the file."""
+        every other tensor is copied off the checkpoint's map, so only the store touches the file.
+        With `parallel`, only this rank's share of the experts is taken from `tensors` (the rest of
+        a mapped file is never read)."""
         check_tensors(spec, tensors, name)
+        if parallel is not None:
+            if stream is not None:
+                raise ValueError("Expert parallelism does not stream experts yet; drop expert_cache_gb.")
+            tensors = _share(tensors, parallel.shard(spec.num_experts))
         dtype = dtype or _compute_dtype(tensors)
         placed = {}
         for key, tensor in tensors.items():
@@ -175,6 +188,7 @@ class MoELayer:
             dequant_cache=dequant_cache,
             stream=stream,
             options=options,
+            parallel=parallel,
         )
 
     def __call__(
@@ -241,7 +255,9 @@ class MoELayer:
         self._route_ms = 1e3 * (time.perf_counter() - route_start)
         if self.experts.stream is not None:  # the host stage: the step's experts into cache slots
             self._fetch(torch.unique(ids).tolist(), after_fetch)
-        if x.shape[0] == 1:
+        if self.parallel is not None:
+            out = self._parallel_experts(x, ids, weights, trace)
+        elif x.shape[0] == 1:
             with trace.stage("plan", x.device):
                 plan = backend.token_plan(ids, weights, self.name)
             with trace.stage("experts", x.device):  # the experts and their ordered sum
@@ -266,10 +282,29 @@ class MoELayer:
         trace.finish(x.shape[0])
         return out.to(x.dtype)
 
+    def _parallel_experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace
+    ) -> torch.Tensor:
+        """Expert parallelism: the rows of this rank's experts, exchanged so every rank has every
+        row, then each token's rows summed in plan order -> [T, H] fp32."""
+        # expert by expert (torch's or the native kernels'); a grouped-GEMM backend: torch's rows
+        backend = self.batch_backend if self.batch_backend.STREAMS_PREFILL else torch_backend
+        with trace.stage("plan", x.device):
+            plan = torch_backend.batch_plan(ids, weights, self.spec.num_experts)
+        with trace.stage("experts", x.device):
+            rows = backend.expert_rows(
+                x, plan, self.experts, self.spec.activation, self.workspace, self.options, self.experts.owned
+            )  # [T*k, H] fp32, zero where another rank's experts are
+        with trace.stage("exchange", x.device):
+            self.parallel.exchange(rows, self.name)
+        with trace.stage("combine", x.device):
+            return torch_backend.combine(rows, plan, self.workspace)
+
     @property
     def decodes_natively(self) -> bool:
-        """Whether `decode_token` runs here: the layer is on the cpu backend (native kernels)."""
-        return hasattr(self.backend, "route_token")
+        """Whether `decode_token` runs here: the layer is on the cpu backend (native kernels), its
+        experts all on this process."""
+        return hasattr(self.backend, "route_token") and self.parallel is None
 
     def decode_token(
         self,
@@ -309,6 +344,21 @@ class MoELayer:
         self.experts.stream.begin([int(e) for e in experts])
         if after_fetch is not None:
             after_fetch()
+
+
+def _share(tensors: Mapping[str, torch.Tensor | QTensor], shard) -> dict[str, torch.Tensor | QTensor]:
+    """The expert tensors cut to the shard's experts [start, stop) (a view: nothing else is read)."""
+    cut = {}
+    for key, t in tensors.items():
+        if key.startswith("experts."):
+            if isinstance(t, QTensor):
+                t = QTensor(
+                    t.format, (shard.stop - shard.start, *t.shape[1:]), t.data[shard.start : shard.stop]
+                )
+            else:
+                t = t[shard.start : shard.stop]
+        cut[key] = t
+    return cut
 
 
 def _compute_dtype(tensors: Mapping[str, torch.Tensor | QTensor]) -> torch.dtype:

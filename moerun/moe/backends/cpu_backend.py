@@ -16,7 +16,7 @@ fp32, whose users ask for the exact numbers).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -238,9 +238,10 @@ def expert_rows(
     act: Activation,
     ws: Workspace,
     options: KernelOptions,
+    only: Collection[int] | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order (a
-    view of `ws`, valid until the next call)."""
+    view of `ws`, valid until the next call); `only`: just these experts' rows, the others zero."""
     integer = options.int8_on_cpu(experts.dtype)
 
     def forward(rows: torch.Tensor, e: int) -> torch.Tensor:  # rows [R, H] -> [R, H]
@@ -248,7 +249,7 @@ def expert_rows(
         a = act(h.float()).to(x.dtype)  # [R, I]
         return linear(a, experts.stored("down", e), experts.bias("down", e), True, integer).float()
 
-    return rows_by_expert(x, plan, ws, forward)
+    return rows_by_expert(x, plan, ws, forward, only)
 
 
 def shared_expert(

@@ -8,7 +8,7 @@ bitwise equal outputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +39,12 @@ def expert_rows(
     act: Activation,
     ws: Workspace,
     options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
+    only: Collection[int] | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order
-    (a view of `ws`, valid until the next call)."""
-    return rows_by_expert(x, plan, ws, lambda rows, e: _expert_forward(rows, experts, e, act))
+    (a view of `ws`, valid until the next call); `only`: compute just these experts' rows, the
+    others zero (expert parallelism: another rank computes them)."""
+    return rows_by_expert(x, plan, ws, lambda rows, e: _expert_forward(rows, experts, e, act), only)
 
 
 def rows_by_expert(
@@ -50,19 +52,23 @@ def rows_by_expert(
     plan: BatchedPlan,
     ws: Workspace,
     forward: Callable[[torch.Tensor, int], torch.Tensor],
+    only: Collection[int] | None = None,
 ) -> torch.Tensor:
     """The batched experts stage, expert by expert: each expert e with rows computes
     forward(its gathered rows [R, H], e) -> [R, H], weighted by the rows' routing weights into
-    [T*k, H] fp32 in plan order (a view of `ws`, valid until the next call)."""
+    [T*k, H] fp32 in plan order (a view of `ws`, valid until the next call). `only`: just those
+    experts, every other row zero."""
     num_rows = plan.order.numel()
     rows = ws.get("rows", (num_rows, x.shape[1]), torch.float32, x.device)
+    if only is not None:
+        rows.zero_()
     gathered = torch.index_select(
         x, 0, plan.row_tokens, out=ws.get("gathered", (num_rows, x.shape[1]), x.dtype, x.device)
     )  # [T*k, H]
     offsets = plan.offsets.tolist()
     for e in range(len(offsets) - 1):
         start, end = offsets[e], offsets[e + 1]
-        if start == end:
+        if start == end or (only is not None and e not in only):
             continue
         y = forward(gathered[start:end], e)
         torch.mul(y, plan.row_weights[start:end, None], out=rows[start:end])

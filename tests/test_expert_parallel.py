@@ -1,0 +1,152 @@
+"""Expert parallelism on torch.distributed (gloo, on loopback): 2 and 3 processes, each holding only
+its share of every MoE layer's experts, against one process on the same checkpoint: logits within
+1e-6 in fp32 (on the torch backend the same bits: the combine is the single process's ordered sum),
+greedy tokens identical, for olmoe, qwen3_moe, gpt_oss and a q4_k GGUF file, experts not divisible
+by the ranks; and a rank that dies mid-generation stops the others with an error naming the layer,
+within the timeout."""
+
+import datetime
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from gguf_from_hf import write_gguf
+from hf_models import VOCAB, make_model, save_model
+
+import moerun
+from moerun.distributed import ExpertParallel, ExpertParallelError, ExpertShard
+
+IDS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
+PROMPT = IDS[0, :6].tolist()
+TIMEOUT_S = 20
+
+
+def _rank(rank: int, world: int, init: str, path: str, out: str, die_at: int | None, backend: str) -> None:
+    """One rank: join the group, load its share, compute logits and a greedy generation, save them."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )  # fmt: skip
+    result = {}
+    try:
+        ep = ExpertParallel(timeout_s=TIMEOUT_S)
+        model = moerun.load(path, dtype=torch.float32, backend=backend, expert_parallel=ep)
+        result["held"] = [int(m.experts.gate_up.shape[0]) for m in model.mlps if hasattr(m, "experts")]
+        result["logits"] = model.logits(IDS)
+        tokens = []
+        for i, token in enumerate(model.generate(PROMPT, 8)):
+            if die_at is not None and rank == world - 1 and i == die_at:
+                os._exit(3)  # this rank dies mid-generation
+            tokens.append(token.id)
+        result["tokens"] = tokens
+        result["stats"] = model.stats()["expert_parallel"]
+    except ExpertParallelError as e:
+        result["error"] = str(e)
+        result["error_at"] = time.monotonic()
+    torch.save(result, os.path.join(out, f"{rank}.pt"))
+    if "error" not in result:
+        dist.destroy_process_group()
+
+
+def _run(path, world: int, tmp_path, die_at: int | None = None, backend: str = "auto") -> list[dict]:
+    init, out = tmp_path / f"init-{world}-{time.monotonic_ns()}", tmp_path / f"out-{world}"
+    out.mkdir(exist_ok=True)
+    context = multiprocessing.get_context("spawn")
+    ranks = [
+        context.Process(target=_rank, args=(r, world, str(init), str(path), str(out), die_at, backend))
+        for r in range(world)
+    ]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120 + TIMEOUT_S)
+        assert not p.is_alive(), "a rank hung"
+    return [
+        torch.load(out / f"{r}.pt", weights_only=False) if (out / f"{r}.pt").exists() else None
+        for r in range(world)
+    ]
+
+
+CHECKPOINTS = {
+    "olmoe": lambda d: save_model(make_model("olmoe"), d / "olmoe"),
+    "qwen3_moe": lambda d: save_model(make_model("qwen3_moe"), d / "qwen3"),
+    "gpt_oss": lambda d: save_model(make_model("gpt_oss"), d / "gpt_oss"),
+    "olmoe-gguf-q4_k": lambda d: _gguf(d / "olmoe.gguf"),
+}
+
+
+def _gguf(path):
+    model = make_model("olmoe", hidden_size=256, intermediate_size=256, num_experts=5, num_hidden_layers=2)
+    write_gguf(model, path, "q4_k")
+    return path
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory):
+    return CHECKPOINTS[request.param](tmp_path_factory.mktemp(request.param))
+
+
+# the torch backend's batched path is the ranks' own (rows, then the ordered combine): the same bits
+# (given the same threads per GEMM); on the native kernels one process sums a step's experts inside
+# one fused call, the ranks through rows and the combine, which rounds differently in the last bits
+TOLERANCE = {"torch": 0.0, "auto": 1e-6}
+
+
+@pytest.mark.parametrize(
+    "world, backend",
+    [(2, "torch"), (3, "torch"), (2, "auto"), pytest.param(3, "auto", marks=pytest.mark.slow)],
+)
+def test_ranks_give_one_process_s_logits_and_tokens(checkpoint, world, backend, tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs: a GEMM's bits may depend on its threads
+    try:
+        alone = moerun.load(checkpoint, dtype=torch.float32, backend=backend)
+        logits = alone.logits(IDS)
+        tokens = [t.id for t in alone.generate(PROMPT, 8)]
+    finally:
+        torch.set_num_threads(threads)
+    experts = alone.config.moe.num_experts
+    results = _run(checkpoint, world, tmp_path, backend=backend)
+    for rank, r in enumerate(results):
+        assert "error" not in r, r.get("error")
+        rel = ((r["logits"] - logits).abs().max() / logits.abs().max()).item()
+        assert rel <= TOLERANCE[backend], (rank, rel)
+        assert r["tokens"] == tokens
+        share = ExpertShard(rank, world, experts)
+        assert set(r["held"]) == {share.stop - share.start}  # its share of every MoE layer, no more
+        assert r["stats"]["exchanges"] > 0 and r["stats"]["bytes"] > 0
+    # every expert held by exactly one rank
+    assert (
+        sum(ExpertShard(r, world, experts).stop - ExpertShard(r, world, experts).start for r in range(world))
+        == experts
+    )
+
+
+def test_a_rank_that_dies_stops_the_others_with_a_clear_error(tmp_path):
+    path = save_model(make_model("olmoe"), tmp_path / "olmoe")
+    start = time.monotonic()
+    results = _run(path, 2, tmp_path, die_at=3)
+    assert results[1] is None  # it died before saving anything
+    error = results[0]["error"]
+    assert "layers." in error and "rank 0" in error and "failed" in error
+    assert results[0]["error_at"] - start <= 120 + TIMEOUT_S
+
+
+def test_shares_cover_the_experts_when_they_do_not_divide():
+    for experts, world in [(8, 3), (5, 2), (64, 7), (3, 3)]:
+        shares = [ExpertShard(r, world, experts) for r in range(world)]
+        assert [s.start for s in shares][0] == 0 and shares[-1].stop == experts
+        assert all(a.stop == b.start for a, b in zip(shares, shares[1:], strict=False))
+        sizes = [s.stop - s.start for s in shares]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_without_a_group_it_says_how_to_start(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ExpertParallelError, match="torchrun"):
+        ExpertParallel.from_env()

@@ -167,3 +167,25 @@ def test_decode_steps_in_either_form_match_transformers(pair, monkeypatch, absor
     cache = ours.new_cache(1, 12)
     steps = [ours.hidden_logits(ours.forward(ids[:, i : i + 1], cache)[0, -1]) for i in range(12)]
     assert rel_err(torch.stack(steps), hf_logits(hf, ids)[0]) <= 1e-4
+
+
+def test_a_v3_checkpoint_with_its_multi_token_prediction_layer_loads(tmp_path):
+    """DeepSeek-V3's safetensors carry `num_nextn_predict_layers` more layers after the decoder's
+    (a decoder layer plus eh_proj, enorm, hnorm, shared_head), which generation does not run."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_deepseek("v3-q-lora-interleaved")
+    hf.save_pretrained(tmp_path)
+    n, H = hf.config.num_hidden_layers, hf.config.hidden_size
+    assert hf.config.to_dict()["num_nextn_predict_layers"] == 1
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in [k for k in tensors if k.startswith(f"model.layers.{n - 1}.")]:
+        tensors[name.replace(f"layers.{n - 1}.", f"layers.{n}.")] = tensors[name].clone()
+    for name, shape in {
+        "eh_proj.weight": (H, 2 * H),
+        "enorm.weight": (H,),
+        "shared_head.norm.weight": (H,),
+    }.items():
+        tensors[f"model.layers.{n}.{name}"] = torch.ones(shape)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert rel_err(moerun.load(tmp_path, dtype=torch.float32).logits(IDS), hf_logits(hf, IDS)) <= 1e-4

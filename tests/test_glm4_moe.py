@@ -230,11 +230,6 @@ def test_quantize_refuses_expert_groups_the_arch_cannot_hold(checkpoint, tmp_pat
     assert not (tmp_path / "m.gguf").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="moerun/checkpoint/hf.py maps model.layers.{num_hidden_layers}.* (GLM-4.5's multi-token-"
-    "prediction layer, which transformers does not load either) and reports it as unexpected",
-)
 def test_a_checkpoint_with_its_next_token_prediction_layer_loads(hf_glm, tmp_path):
     """GLM-4.5's safetensors carry `num_nextn_predict_layers` more layers after the decoder's:
     a decoder layer's tensors plus eh_proj, enorm, hnorm and shared_head.norm."""

@@ -77,6 +77,8 @@ def canonical_tensors(
         canonical = _TOP.get(name)
         if canonical is None and (m := _LAYER.fullmatch(name)):
             layer, rest = int(m.group(1)), m.group(2)
+            if config.num_layers <= layer < config.num_layers + config.extra_layers:
+                continue  # a multi-token-prediction block: generation does not run it
             if rest in _IN_LAYER:
                 canonical = f"layers.{layer}.{_IN_LAYER[rest]}"
             elif a := _ATTENTION.fullmatch(rest):

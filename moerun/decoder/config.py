@@ -166,6 +166,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # layers a checkpoint holds after the decoder's (DeepSeek-V3's and GLM-4.5's multi-token-
+    # prediction blocks), which generation does not run: their tensors are skipped at load
+    extra_layers: int = 0
     norm: str = "rms"  # every norm of the stack: "rms" (RMSNorm) or "layer" (LayerNorm with a bias: PhiMoE)
     lm_head_bias: bool = False  # PhiMoE's lm_head_bias
     # GraniteMoE: the embeddings times `embedding_multiplier`, each block's output times

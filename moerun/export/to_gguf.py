@@ -55,7 +55,8 @@ FILE_TYPES = {
 }  # fmt: skip
 QUANTIZATION_VERSION = 2  # general.quantization_version of ggml's current block layouts
 _CHECKPOINT_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")  # as moerun.checkpoint.hf
-_NOT_COMPARED = frozenset({"bos_token_id", "eos_token_ids"})  # those come from the tokenizer keys
+# bos and eos come from the tokenizer keys; a checkpoint's multi-token-prediction layers are not written
+_NOT_COMPARED = frozenset({"bos_token_id", "eos_token_ids", "extra_layers"})
 
 
 def _stderr(message: str) -> None:

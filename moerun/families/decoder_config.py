@@ -133,5 +133,6 @@ def model_config(
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids(config),
+        extra_layers=config.get("num_nextn_predict_layers", 0) or 0,
         **stack,
     )

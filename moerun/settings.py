@@ -13,6 +13,8 @@ the CPU supports), or `off` to not use them; unset picks the best the CPU runs.
 `MOERUN_CPU_BUILD_DIR` is where those kernels are compiled to (default `~/.cache/moerun/cpu`).
 `MOERUN_CPU_MALLOC`: `tuned` (default) raises glibc's malloc thresholds once the native CPU kernels
 load (moerun.cpu.allocator), `default` leaves them as they are.
+torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (read by torch.distributed itself):
+here only which are set, and `WORLD_SIZE` > 1 makes the command line run expert-parallel.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 TRACE_CHANNELS = frozenset({"perf", "buffers"})
 CPU_ISAS = ("generic", "avx2", "avx512", "off")
 CPU_MALLOCS = ("tuned", "default")
+TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class Settings:
     cpu_isa: str | None = None  # MOERUN_CPU_ISA, one of CPU_ISAS; None: the best the CPU supports
     cpu_build_dir: Path | None = None
     cpu_malloc: str = "tuned"  # MOERUN_CPU_MALLOC, one of CPU_MALLOCS
+    torchrun_keys: frozenset[str] = frozenset()  # which of TORCHRUN_KEYS are set
+    world_size: int = 1  # WORLD_SIZE: the processes torchrun started
+    rank: int = 0  # RANK: this one's
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -64,7 +70,17 @@ class Settings:
             cpu_isa=cpu_isa,
             cpu_build_dir=Path(build_dir).expanduser() if build_dir else None,
             cpu_malloc=cpu_malloc,
+            torchrun_keys=frozenset(k for k in TORCHRUN_KEYS if k in environ),
+            world_size=_count(environ, "WORLD_SIZE", 1),
+            rank=_count(environ, "RANK", 0),
         )
+
+
+def _count(environ: Mapping[str, str], key: str, default: int) -> int:
+    raw = environ.get(key, "").strip() or str(default)
+    if not raw.isdigit() or int(raw) < default:
+        raise ValueError(f"{key}={raw!r} is not a count of processes (torchrun sets it).")
+    return int(raw)
 
 
 def _hf_hub_cache(environ: Mapping[str, str]) -> Path:

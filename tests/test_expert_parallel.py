@@ -146,7 +146,53 @@ def test_shares_cover_the_experts_when_they_do_not_divide():
 
 
 def test_without_a_group_it_says_how_to_start(monkeypatch):
+    from moerun.settings import settings
+
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    with pytest.raises(ExpertParallelError, match="torchrun"):
-        ExpertParallel.from_env()
+    settings.cache_clear()
+    try:
+        with pytest.raises(ExpertParallelError, match="torchrun"):
+            ExpertParallel.from_env()
+    finally:
+        settings.cache_clear()
+
+
+def test_torchrun_runs_moerun_generate_expert_parallel(tmp_path):
+    """`torchrun --nproc-per-node 2 -m moerun generate ...` as a user starts it: rank 0 prints the
+    tokens one process generates, and the summary says where the experts are."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = save_model(make_model("olmoe"), tmp_path / "olmoe")
+    args = [
+        "generate",
+        "-m",
+        str(path),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "-n",
+        "6",
+        "--dtype",
+        "fp32",
+    ]
+    alone = subprocess.run([sys.executable, "-m", "moerun", *args, "--json"], capture_output=True, text=True)
+    assert alone.returncode == 0, alone.stderr
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), "-m", "moerun", *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = subprocess.run(command + ["--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert record.returncode == 0, record.stderr[-2000:]
+    lines = [line for line in record.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone prints
+    assert json.loads(lines[0])["ids"] == json.loads(alone.stdout)["ids"]
+    assert "expert parallel: rank 0 of 2" in run.stderr and run.stderr.count("loaded ") == 1

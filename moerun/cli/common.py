@@ -5,6 +5,7 @@ run's figures."""
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 from typing import TextIO
@@ -14,6 +15,7 @@ import torch
 from moerun.moe.backends import BACKENDS
 from moerun.quant.formats import COMPUTE_DTYPES
 from moerun.sampling import SamplingParams, check_sampling
+from moerun.settings import settings as _settings
 
 INTERRUPTED = 130  # exit code: 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 ACTIVATION_MODES = {"auto": None, "int8": True, "exact": False}  # --activations -> int8_activations
@@ -77,6 +79,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefetch-k", type=int, default=None, help="with --expert-cache-gb: experts to prefetch"
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="hold only this rank's share of the experts (on by itself under torchrun with WORLD_SIZE > 1)",
     )
     parser.add_argument(
         "--host-cache-gb",
@@ -204,12 +211,24 @@ def generation_options(args: argparse.Namespace, err: TextIO) -> dict:
     return dict(sampling, stop=args.stop, max_new_tokens=args.max_tokens, ctx_size=args.ctx_size)
 
 
+def expert_parallel(args: argparse.Namespace) -> bool:
+    """--expert-parallel, or started under torchrun with more than one process."""
+    return bool(getattr(args, "expert_parallel", False)) or _settings().world_size > 1
+
+
+def quiet_rank(model) -> bool:
+    """Expert parallelism: every rank but 0 keeps quiet (rank 0 prints the text and the figures)."""
+    return model.expert_parallel is not None and model.expert_parallel.rank != 0
+
+
 def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
     """moerun.load with the loading flags, a progress bar on `err` when it is a terminal (one line
     when it is a file or pipe)."""
     import moerun
 
     err = err or sys.stderr
+    if expert_parallel(args) and _settings().rank != 0:  # rank 0 alone reports
+        err = io.StringIO()
     check_model_arguments(args)
     use_threads(args)
     start = time.perf_counter()
@@ -231,6 +250,7 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
         host_cache_gb=args.host_cache_gb,
         progress=progress if terminal else None,
         int8_activations=ACTIVATION_MODES[args.activations],
+        expert_parallel=expert_parallel(args),
     )
     erase = "\r" if terminal else ""
     err.write(
@@ -253,6 +273,11 @@ def summary(stats: dict) -> str:
     parts.append(f"generated {stats.get('new_tokens', 0)} tokens")
     if "decode_tok_s" in stats:
         parts[-1] += f" ({stats['decode_tok_s']:.1f} tok/s decode)"
+    if ep := stats.get("expert_parallel"):
+        parts.append(
+            f"expert parallel: {ep['placement']}, {ep['exchanges']} exchanges of expert rows "
+            f"({ep['bytes'] / 2**20:.1f} MiB, {ep['ms']:.0f} ms)"
+        )
     if stats.get("finish_reason") == "context":
         parts.append(f"stopped: the context of {stats['context']} positions is full")
     if offload := stats.get("offload"):

@@ -19,16 +19,23 @@ layer and the timeout, never a silent wait.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from moerun.settings import TORCHRUN_KEYS, settings
+
 DEFAULT_TIMEOUT_S = 60.0
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class ExpertParallelError(RuntimeError):
@@ -90,7 +97,7 @@ class ExpertParallel:
         """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), unless this
         process already has one: gloo on CPU, NCCL on CUDA."""
         if not dist.is_initialized():
-            missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+            missing = [k for k in TORCHRUN_KEYS if k not in settings().torchrun_keys]
             if missing:
                 raise ExpertParallelError(
                     f"Expert parallelism needs torchrun's environment ({', '.join(missing)} not set): "
@@ -98,6 +105,9 @@ class ExpertParallel:
                 )
             backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            # a group left to the interpreter's exit can abort it ("terminate called without an
+            # active exception" from gloo's threads): the group joined here is left here
+            atexit.register(_leave_group)
         return cls(timeout_s=timeout_s)
 
     def shard(self, num_experts: int) -> ExpertShard:

@@ -58,6 +58,7 @@ ALLOWED = {
         "generate.py",
         "batching.py",
         "serve",
+        "distributed",
         "activations.py",
         "settings.py",
     },  # fmt: skip

@@ -196,3 +196,33 @@ def test_torchrun_runs_moerun_generate_expert_parallel(tmp_path):
     assert len(lines) == 1  # rank 0 alone prints
     assert json.loads(lines[0])["ids"] == json.loads(alone.stdout)["ids"]
     assert "expert parallel: rank 0 of 2" in run.stderr and run.stderr.count("loaded ") == 1
+
+
+def _bench_rank(rank: int, world: int, init: str, out: str) -> None:
+    from hf_models import TINY_OLMOE
+
+    from moerun.bench.expert_parallel import format_expert_parallel_table, run_expert_parallel_bench
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    r = run_expert_parallel_bench(
+        layers=2, dtype="fp32", prompt_tokens=8, decode_steps=3, repeats=1, shape=TINY_OLMOE
+    )
+    r["table"] = format_expert_parallel_table(r)
+    torch.save(r, os.path.join(out, f"bench-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_the_expert_parallel_bench_runs_both_sides(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    init = tmp_path / "init-bench"
+    ranks = [context.Process(target=_bench_rank, args=(r, 2, str(init), str(tmp_path))) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    first, second = (torch.load(tmp_path / f"bench-{r}.pt", weights_only=False) for r in range(2))
+    assert first["placement"] == "rank 0 of 2: experts 0-3 of 8" and second["placement"].startswith("rank 1")
+    assert first["single_decode_tok_s"] > 0 and first["decode_tok_s"] > 0 and 0 < first["exchange_share"] < 1
+    assert "one process" in first["table"] and "single_decode_tok_s" not in second

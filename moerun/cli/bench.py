@@ -8,7 +8,13 @@ import argparse
 import json
 import sys
 
-from moerun.cli.common import add_threads_argument, check_threads, resolve_device, use_threads
+from moerun.cli.common import (
+    add_threads_argument,
+    check_threads,
+    expert_parallel,
+    resolve_device,
+    use_threads,
+)
 from moerun.moe.backends import BACKENDS
 from moerun.quant.formats import COMPUTE_DTYPES
 
@@ -91,6 +97,12 @@ def add_parser(commands) -> None:
         help="the HTTP server under this many concurrent streaming clients (default 1,4,8) on the "
         "generated OLMoE-shaped model",
     )
+    bench.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="with --model (generated), under torchrun: the model expert-parallel over the ranks, against "
+        "one process (on by itself when WORLD_SIZE > 1)",
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=run)
 
@@ -139,6 +151,21 @@ def run(args: argparse.Namespace) -> int:
             log=log,
         )
         print(json.dumps(results) if args.json else format_offload_table(results))
+        return 0
+    if args.model == "" and expert_parallel(args):
+        from moerun.bench.expert_parallel import format_expert_parallel_table, run_expert_parallel_bench
+
+        results = run_expert_parallel_bench(
+            layers=args.layers or 2,
+            dtype=args.dtype,
+            prompt_tokens=args.prefill_tokens or 128,
+            decode_steps=args.decode_steps,
+            repeats=args.repeats,
+            backend=args.backend,
+            log=log,
+        )
+        if results["placement"].startswith("rank 0 "):  # rank 0 alone prints
+            print(json.dumps(results) if args.json else format_expert_parallel_table(results))
         return 0
     if args.serve is not None:
         from moerun.bench.serve import format_serve_table, run_serve_bench

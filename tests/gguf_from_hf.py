@@ -3,9 +3,11 @@ convert_hf_to_gguf.py does for its arch: the same metadata keys, tensor names (g
 tensor_mapping), q/k rows permuted for `llama` (LlamaModel.permute), experts merged per projection
 [E, out, in] with gate and up apart (GPT-OSS's interleaved gate/up split into even and odd rows), the
 Qwen2-MoE shared-expert gate stored [H], GPT-OSS's and GLM-4 MoE's MLP norm named post_attention_norm,
-GLM-4 MoE's score-correction bias as exp_probs_b.bias and its multi-token-prediction layers (made up
-here: the tiny models have none) as blocks after the decoder's. One addition: OLMoE's clip_qkv is
-written as `olmoe.attention.clamp_kqv` (the converter drops it).
+GLM-4 MoE's and DeepSeek-V3's score-correction bias as exp_probs_b.bias, GLM-4 MoE's
+multi-token-prediction layers (made up here: the tiny models have none) as blocks after the decoder's,
+DeepSeek-V2/V3's kv_b split per head into attn_k_b (transposed) and attn_v_b with their MLA keys,
+or (`legacy_mla`) kept whole with the keys of the files written before that split. One addition:
+OLMoE's clip_qkv is written as `olmoe.attention.clamp_kqv` (the converter drops it).
 
 Expert projections may be quantised with moerun's quantisers (bit-exact with ggml's reference ones);
 the writer returns what the file then holds, dequantised, under transformers' names and layouts, so a
@@ -31,7 +33,10 @@ ARCHS = {
     "olmoe": gguf.MODEL_ARCH.OLMOE,
     "gpt_oss": gguf.MODEL_ARCH.GPT_OSS,
     "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
+    "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
+    "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
 }
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 RAW_TYPES = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
@@ -57,6 +62,7 @@ def write_gguf(
     fuse_gate_up: bool = False,
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
     nextn_blocks: int = 0,
+    legacy_mla: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Write `model` to `path`: gate experts in format `experts`, up in `up`, down in `down` (both
     default to `experts`), attention projections in `attention` ("f32" or a block format); tensors
@@ -64,14 +70,15 @@ def write_gguf(
     `fuse_gate_up` the newer fused ffn_gate_up_exps (gate rows then up rows; --fuse-gate-up-exps);
     `extra(writer)` adds more metadata (a vocabulary: tiny_tokenizers.add_gguf_vocab); `nextn_blocks`
     (glm4_moe) appends that many multi-token-prediction blocks of random tensors, as the converter
-    writes a real checkpoint's `num_nextn_predict_layers`.
+    writes a real checkpoint's `num_nextn_predict_layers`; `legacy_mla` (DeepSeek) writes the
+    deepseek2 layout of before llama.cpp's absorbed MLA (one attn_kv_b, no *_mla or expert-group keys).
 
     Returns {transformers parameter name: tensor} for every parameter whose stored values differ from
     the model's (the quantised ones, dequantised, in transformers' layout)."""
     config, model_type = model.config, model.config.model_type
     arch = ARCHS[model_type]
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    _metadata(writer, config, model_type, nextn_blocks)
+    _metadata(writer, config, model_type, nextn_blocks, legacy_mla)
     if extra is not None:
         extra(writer)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
@@ -103,6 +110,10 @@ def write_gguf(
             name += ".weight"  # as GptOssModel.filter_tensors
         if name.endswith("ffn_gate_inp_shexp.weight"):
             tensor = tensor.reshape(-1)  # llama.cpp's shape: [H]
+        if name.endswith("attn_kv_b.weight") and not legacy_mla:
+            for part_name, part in zip(("attn_k_b", "attn_v_b"), split_kv_b(tensor, config), strict=True):
+                add(name.replace("attn_kv_b", part_name), part)
+            continue
         permute = model_type == "mixtral" and name.split(".")[-2] in ("attn_q", "attn_k")
         heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
         if permute:
@@ -118,6 +129,15 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return updates
+
+
+def split_kv_b(kv_b: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepseekV2Model.modify_tensors: kv_b [heads * (nope + v), kv_lora_rank] -> k_b [heads,
+    kv_lora_rank, nope] (each head's key rows, transposed) and v_b [heads, v, kv_lora_rank]."""
+    nope, v = config.qk_nope_head_dim, config.v_head_dim
+    per_head = kv_b.view(config.num_attention_heads, nope + v, kv_b.shape[-1])
+    k_b, v_b = torch.split(per_head, [nope, v], dim=1)
+    return k_b.transpose(1, 2), v_b
 
 
 def _nextn_block(writer: gguf.GGUFWriter, state: dict, config, block: int) -> None:
@@ -207,15 +227,19 @@ def _experts(add, hf_name: str, tensor: torch.Tensor, model_type: str, formats: 
     return {hf_name: fused.transpose(-1, -2) if gpt_oss else fused}
 
 
-def _metadata(writer: gguf.GGUFWriter, config, model_type: str, nextn_blocks: int = 0) -> None:
+def _metadata(
+    writer: gguf.GGUFWriter, config, model_type: str, nextn_blocks: int = 0, legacy_mla: bool = False
+) -> None:
     """TextModel.set_gguf_parameters plus each model class's additions."""
-    _check_representable(config, model_type)
+    _check_representable(config, model_type, legacy_mla)
     writer.add_block_count(config.num_hidden_layers + nextn_blocks)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    # DeepseekV2Model: MLA as MQA over the shared latent (num_key_value_heads set to 1)
+    absorbed = model_type in DEEPSEEK and not legacy_mla
+    writer.add_head_count_kv(1 if absorbed else config.num_key_value_heads)
     rope = dict(config.rope_parameters)
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -234,7 +258,7 @@ def _metadata(writer: gguf.GGUFWriter, config, model_type: str, nextn_blocks: in
     writer.add_expert_count(experts)
     writer.add_expert_used_count(getattr(config, "num_experts_per_tok", None) or config.experts_per_token)
     head_dim = getattr(config, "head_dim", None)
-    if head_dim is not None:
+    if head_dim is not None and model_type not in DEEPSEEK:  # DeepseekV2Model writes its own
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -262,12 +286,54 @@ def _metadata(writer: gguf.GGUFWriter, config, model_type: str, nextn_blocks: in
         writer.add_expert_weights_scale(config.routed_scaling_factor)
         writer.add_expert_weights_norm(config.norm_topk_prob)
         writer.add_nextn_predict_layers(nextn_blocks)
+    if model_type in DEEPSEEK:
+        _deepseek2_metadata(writer, config, model_type, legacy_mla)
     for key, value in (("bos", config.bos_token_id), ("eos", config.eos_token_id)):
         if value is not None:
             writer.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
 
 
-def _check_representable(config, model_type: str) -> None:
+def _deepseek2_metadata(writer: gguf.GGUFWriter, config, model_type: str, legacy: bool) -> None:
+    """DeepseekV2Model.set_gguf_parameters, and the expert-group and gating keys TextModel's writes
+    from a real checkpoint's config.json (n_group, topk_group, scoring_func: softmax for V2, sigmoid
+    for V3). `legacy`: as the converter wrote before the absorbed MLA (the heads' key and value
+    widths as key_length / value_length, expert_weights_norm always, no expert groups; DeepSeek-V2's
+    first files had no gating key either: llama.cpp assumes softmax)."""
+    kv_lora, rope_dims = config.kv_lora_rank, config.qk_rope_head_dim
+    qk = config.qk_nope_head_dim + rope_dims
+    if not legacy:
+        if config.n_group is not None:
+            writer.add_expert_group_count(config.n_group)
+        if config.topk_group is not None:
+            writer.add_expert_group_used_count(config.topk_group)
+    if model_type == "deepseek_v3":
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    elif not legacy:
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_vocab_size(config.vocab_size)
+    if config.q_lora_rank is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(kv_lora)
+    if legacy:
+        writer.add_key_length(qk)
+        writer.add_value_length(config.v_head_dim)
+    else:
+        writer.add_key_length(kv_lora + rope_dims)
+        writer.add_value_length(kv_lora)
+        writer.add_key_length_mla(qk)
+        writer.add_value_length_mla(config.v_head_dim)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if legacy or config.norm_topk_prob:
+        writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+    writer.add_rope_dimension_count(rope_dims)
+    if (mscale_all_dim := config.rope_parameters.get("mscale_all_dim")) is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * mscale_all_dim)
+
+
+def _check_representable(config, model_type: str, legacy_mla: bool = False) -> None:
     """Refuse configs whose behaviour llama.cpp's arch cannot express (so a test cannot pass by luck)."""
     problems = []
     if model_type == "mixtral" and config.sliding_window is not None:
@@ -287,8 +353,31 @@ def _check_representable(config, model_type: str) -> None:
             problems.append("llama.cpp's gpt-oss has sliding windows on even layers only")
     if model_type == "glm4_moe" and (config.n_group, config.topk_group) != (1, 1):
         problems.append("llama.cpp's glm4moe routes without expert groups")
+    if model_type in DEEPSEEK:
+        problems += _deepseek2_problems(config, model_type, legacy_mla)
     if problems:
         raise ValueError(f"{model_type} config not representable in GGUF: {'; '.join(problems)}.")
+
+
+def _deepseek2_problems(config, model_type: str, legacy: bool) -> list[str]:
+    problems = []
+    if not getattr(config, "rope_interleave", True):
+        problems.append("llama.cpp's deepseek2 rotates interleaved pairs (rope_interleave)")
+    if config.attention_bias:
+        problems.append("llama.cpp's deepseek2 loads no attention biases")
+    rope = config.rope_parameters
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if rope.get("rope_type") == "yarn" and (mscale_all_dim is None or mscale != mscale_all_dim):
+        problems.append("llama.cpp's deepseek2 scales YaRN by mscale_all_dim alone (mscale must equal it)")
+    grouped = (config.n_group or 1) > 1
+    if model_type == "deepseek_v2":
+        if config.norm_topk_prob:
+            problems.append("llama.cpp renormalises the top-k weights, transformers' DeepSeek-V2 does not")
+        if grouped and (legacy or config.topk_method != "group_limited_greedy"):
+            problems.append("the expert groups are not the ones transformers' DeepSeek-V2 routes by")
+    if model_type == "deepseek_v3" and grouped and legacy:
+        problems.append("the older deepseek2 files have no expert groups")
+    return problems
 
 
 def write_unknown_arch(path: Path, arch: str = "mamba") -> Path:

@@ -4,14 +4,17 @@ file states its arch and quirks in `GGUF`, a moerun.families.GGUFFacts).
 The metadata becomes a Hugging Face-style config dict that the family's own `model_config` reads, so
 both formats share one mapping. Where GGUF metadata is silent, this module does what llama.cpp does
 for the arch, as the family's GGUFFacts state it (whether top-k weights are renormalised, GPT-OSS's
-clamped SwiGLU and sliding-window period, ...), and no sliding window for the other archs. One
-deliberate difference: llama.cpp rounds YaRN's correction range to whole
-dims (ggml_rope_yarn_corr_dims), but GPT-OSS was trained without that rounding (`truncate: false` in
-its config, as in OpenAI's reference code, vLLM and SGLang), so for gpt-oss the range is not rounded.
+clamped SwiGLU and sliding-window period, ...), and no sliding window for the other archs. Two
+deliberate differences: llama.cpp rounds YaRN's correction range to whole dims
+(ggml_rope_yarn_corr_dims), but GPT-OSS was trained without that rounding (`truncate: false` in its
+config, as in OpenAI's reference code, vLLM and SGLang), so for gpt-oss the range is not rounded;
+and DeepSeek-V2's expert groups are ranked as it was trained (see `_deepseek_moe`). deepseek2 files
+are DeepSeek-V2's or V3's by their expert gating (`_model_type`).
 
 Tensors: convert_hf_to_gguf.py permutes the q and k rows of `llama` models for ggml's interleaved
 RoPE (LlamaModel.permute); moerun rotates halves as transformers does, so they are permuted back
-(whole rows, so quantised bytes too). Gate and up experts are stored apart and fused here, gate rows
+(whole rows, so quantised bytes too); deepseek2's kv_b, split per head into attn_k_b and attn_v_b
+by newer converters, is joined back. Gate and up experts are stored apart and fused here, gate rows
 then up rows, or interleaved row by row for GPT-OSS; with `assemble=False` (expert streaming) the
 expert ones are described instead (`ExpertPieces` over views of the file, read by the expert store).
 Names that fit nothing are passed on as they are, so the model's check reports them as unexpected.
@@ -55,6 +58,14 @@ _LAYER = {  # name inside blk.{i} -> canonical name inside layers.{i}
     "attn_q_norm.weight": "attn.q_norm.weight",
     "attn_k_norm.weight": "attn.k_norm.weight",
     "attn_sinks.weight": "attn.sinks",
+    # multi-head latent attention (deepseek2): q through q_a / q_b (or attn_q), the latent and the
+    # rotary key from kv_a_mqa, kv_b whole (older files) or split per head (`_MLA_KV_B`)
+    "attn_q_a.weight": "attn.q_a.weight",
+    "attn_q_a_norm.weight": "attn.q_a_norm.weight",
+    "attn_q_b.weight": "attn.q_b.weight",
+    "attn_kv_a_mqa.weight": "attn.kv_a.weight",
+    "attn_kv_a_norm.weight": "attn.kv_a_norm.weight",
+    "attn_kv_b.weight": "attn.kv_b.weight",
     "ffn_gate_inp.weight": "moe.router.weight",
     "ffn_gate_inp.bias": "moe.router.bias",
     "exp_probs_b.bias": "moe.router.score_bias",
@@ -72,6 +83,10 @@ _GATE_UP = {  # canonical name -> (gate part, up part), stored apart in GGUF
     "moe.shared.gate_up": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
     "mlp.gate_up": ("ffn_gate.weight", "ffn_up.weight"),
 }
+
+# attn_k_b [heads, kv_lora_rank, nope] (each head's key rows, transposed) + attn_v_b [heads, v,
+# kv_lora_rank] -> kv_b, as convert_hf_to_gguf.py's DeepseekV2Model splits it for the absorbed MLA
+_MLA_KV_B = ("attn_k_b.weight", "attn_v_b.weight")
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,10 @@ _AS_FIELD = {
     "attention.head_count": "num_attention_heads",
     "attention.head_count_kv": "num_key_value_heads",
     "attention.key_length": "head_dim",
+    "attention.key_length_mla": "head_dim",
+    "attention.value_length": "v_head_dim",
+    "attention.value_length_mla": "v_head_dim",
+    "attention.kv_lora_rank": "kv_lora_rank",
     "rope.dimension_count": "head_dim",
     "context_length": "max_position_embeddings",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
@@ -114,8 +133,11 @@ _AS_FIELD = {
     "leading_dense_block_count": "first_k_dense_replace",
     "expert_shared_count": "n_shared_experts",
     "expert_weights_norm": "norm_topk_prob",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+    "rope.scaling.yarn_log_multiplier": "mscale_all_dim",  # 0.1 x mscale_all_dim, checked as a number
 }
-_ROPE_FIELDS = {"rope_theta", "original_max_position_embeddings", "beta_fast", "beta_slow"}
+_ROPE_FIELDS = {"rope_theta", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale_all_dim"}
 # config field -> the metadata key it is read from, for messages about the config built from them
 _FROM_KEY = {
     ("rope_parameters." if field in _ROPE_FIELDS else "") + field: key
@@ -125,17 +147,58 @@ _FROM_KEY = {
     "clip_qkv": "attention.clamp_kqv",
     "rope_parameters.factor": "rope.scaling.factor",
     "routed_scaling_factor": "expert_weights_scale",  # read unchecked: other archs refuse any but 0, 1
+    "rope_parameters.mscale": "rope.scaling.yarn_log_multiplier",
+    "q_lora_rank": "attention.q_lora_rank",
+    "qk_rope_head_dim": "rope.dimension_count",
+    "qk_nope_head_dim": "attention.key_length_mla",
 }
 
 
 def gguf_archs() -> dict[str, str]:
-    """GGUF `general.architecture` -> moerun family (model_type)."""
-    return {facts.arch: name for name in FAMILIES if (facts := getattr(family(name), "GGUF", None))}
+    """GGUF `general.architecture` -> moerun family (model_type); an arch that several families share
+    (deepseek2: DeepSeek-V2 and V3) -> the first, and `_model_type` tells a file's apart."""
+    archs: dict[str, str] = {}
+    for name in FAMILIES:
+        if facts := getattr(family(name), "GGUF", None):
+            archs.setdefault(facts.arch, name)
+    return archs
 
 
 def gguf_facts(arch: str) -> GGUFFacts:
-    """The GGUFFacts of the family whose files have this `general.architecture`."""
+    """The GGUFFacts of the (first) family whose files have this `general.architecture`; families that
+    share an arch share its layout facts and differ only in `scoring`."""
     return family(gguf_archs()[arch]).GGUF
+
+
+def _model_type(gguf: GGUFFile, arch: str) -> str:
+    """The family of a file of `arch`: the arch's own, or where families share it, the one whose
+    `scoring` is the file's expert_gating_func (llama.cpp's default for the arch where it is absent)."""
+    sharing = [
+        name for name in FAMILIES if getattr(getattr(family(name), "GGUF", None), "arch", None) == arch
+    ]
+    if len(sharing) == 1:
+        return sharing[0]
+    scoring = _gating(gguf, arch, family(sharing[0]).GGUF.default_gating)
+    by_scoring = {family(name).GGUF.scoring: name for name in sharing}
+    if scoring not in by_scoring:
+        raise CheckpointError(
+            f"{gguf.path}: {arch} files with {scoring} expert gating are not supported; moerun reads "
+            f"{', '.join(f'{s} ({n})' for s, n in by_scoring.items())}."
+        )
+    return by_scoring[scoring]
+
+
+def _gating(gguf: GGUFFile, arch: str, default: str) -> str:
+    """The file's expert_gating_func as a scoring function; absent or 0 (llama.cpp's "none"): `default`."""
+    key = f"{arch}.expert_gating_func"
+    gating = _single(gguf.metadata[key], key, gguf) if key in gguf.metadata else 0
+    scoring = default if gating == 0 else _GATING.get(gating) if isinstance(gating, int) else None
+    if scoring is None:
+        raise GGUFMetadataError(
+            f"{gguf.path}: {key} is {quote(gating)}; moerun knows "
+            f"{', '.join(f'{k} ({v})' for k, v in _GATING.items())}."
+        )
+    return scoring
 
 
 def gguf_name_tables(arch: str) -> tuple[dict[str, str], dict[str, str], dict[str, tuple[str, str]]]:
@@ -160,9 +223,10 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
             f"{gguf.path}: GGUF architecture {quote(arch)} is not supported; moerun reads {sorted(archs)}."
         )
     names = {field: f"metadata key {arch}.{key}" for field, key in _FROM_KEY.items()}
+    model_type = _model_type(gguf, arch)
     try:
-        config = _hf_config(gguf, arch, archs[arch], family(archs[arch]).GGUF)
-        model_config = family(archs[arch]).model_config(CheckedConfig(config, names))
+        config = _hf_config(gguf, arch, model_type, family(model_type).GGUF)
+        model_config = family(model_type).model_config(CheckedConfig(config, names))
     except ConfigError as err:
         raise in_file(err, gguf.path) from None
     return dataclasses.replace(
@@ -206,7 +270,8 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
     experts = get("expert_count", 0)
     if not experts:
         raise CheckpointError(f"{gguf.path}: a {arch} model without experts; moerun runs MoE models only.")
-    head_dim = get("attention.key_length", hidden // heads)
+    mla = _mla(get) if facts.mla else {}
+    head_dim = mla["qk_rope_head_dim"] if mla else get("attention.key_length", hidden // heads)
     rope_dims = get("rope.dimension_count", head_dim)
     if rope_dims != head_dim and not (facts.partial_rotary and rope_dims < head_dim):
         what = "more than the head" if facts.partial_rotary else "part of each head"
@@ -225,7 +290,8 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
         if f"blk.{i}.ffn_gate_inp.weight" not in names and f"blk.{i}.ffn_up.weight" in names
     ]
     expert_ff = get(facts.experts_width_key, ff)  # as llama.cpp
-    bias = "blk.0.attn_q.bias" in names  # llama.cpp loads attention biases when the file has them
+    # llama.cpp loads attention biases when the file has them; none for MLA
+    bias = "blk.0.attn_q.bias" in names and not mla
     eos = [check_field("token_id", md[k], f"metadata key {k}") for k in _EOS_KEYS if k in md]
     bos = md.get("tokenizer.ggml.bos_token_id")
     embed = gguf.info("token_embd.weight").shape
@@ -282,29 +348,62 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
         config["rope_parameters"]["partial_rotary_factor"] = rope_dims / head_dim
     if facts.deepseek_moe_keys:
         config.update(_deepseek_moe(gguf, arch, get, facts))
+    config.update(mla)
     config.update(facts.swiglu)
     return config
 
 
 def _deepseek_moe(gguf: GGUFFile, arch: str, get, facts: GGUFFacts) -> dict:
     """The DeepSeek-style MoE keys as config.json keys; where a key is absent, what llama.cpp
-    assumes (no dense layers, no renormalisation, `facts.default_gating`), except expert_weights_scale:
-    absent or 0 (llama.cpp's "not set") scales by 1, as transformers' routed_scaling_factor does."""
-    gating = get("expert_gating_func", 0)
-    scoring = (
-        facts.default_gating if gating == 0 else _GATING.get(gating) if isinstance(gating, int) else None
-    )
-    if scoring is None:
-        raise GGUFMetadataError(
-            f"{gguf.path}: {arch}.expert_gating_func is {quote(gating)}; moerun knows "
-            f"{', '.join(f'{k} ({v})' for k, v in _GATING.items())}."
+    assumes (no dense layers, no renormalisation, `facts.default_gating`, no expert groups), except
+    expert_weights_scale: absent or 0 (llama.cpp's "not set") scales by 1, as transformers'
+    routed_scaling_factor does.
+
+    One deliberate difference (the module docstring's YaRN one aside): llama.cpp ranks expert groups
+    by the sum of their top-2 scores whatever the gating, as DeepSeek-V3 does; DeepSeek-V2's softmax
+    files are routed as DeepSeek-V2 was trained and as transformers routes it (group_limited_greedy:
+    each group's best score)."""
+    scoring = _gating(gguf, arch, facts.default_gating)
+    norm = get("expert_weights_norm", False)
+    if facts.scoring == "softmax" and norm:
+        raise CheckpointError(
+            f"{gguf.path}: {arch}.expert_weights_norm is true in a softmax-gated (DeepSeek-V2) file; "
+            "DeepSeek-V2 does not renormalise its top-k weights, and moerun does not support it."
         )
-    return {
+    config = {
         "first_k_dense_replace": get("leading_dense_block_count", 0),
         "n_shared_experts": get("expert_shared_count", 0),
         "routed_scaling_factor": get("expert_weights_scale", 0.0) or 1.0,
-        "norm_topk_prob": get("expert_weights_norm", False),
+        "norm_topk_prob": norm,
         "scoring_func": scoring,
+    }
+    if facts.expert_groups:
+        groups = get("expert_group_count", 1)
+        config.update(n_group=groups, topk_group=get("expert_group_used_count", groups))
+        config["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"  # DeepSeek-V2's
+    return config
+
+
+def _mla(get) -> dict:
+    """deepseek2's latent attention as config.json keys. Files written since llama.cpp split kv_b for
+    the absorbed form give each head's q/k and v widths as key_length_mla / value_length_mla (their
+    key_length / value_length are the latent's: kv_lora_rank + rope, kv_lora_rank; head_count_kv 1);
+    older files give them as key_length / value_length. A q_lora_rank of 0 or none: q projected
+    directly. ggml's normal RoPE rotates interleaved pairs, as DeepSeek lays them out."""
+    rope = get("rope.dimension_count")
+    k_mla, v_mla = get("attention.key_length_mla", 0), get("attention.value_length_mla", 0)
+    if k_mla and v_mla:
+        qk, v = k_mla, v_mla
+    else:
+        qk, v = get("attention.key_length"), get("attention.value_length")
+    return {
+        "q_lora_rank": get("attention.q_lora_rank", 0) or None,
+        "kv_lora_rank": get("attention.kv_lora_rank"),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": qk - rope,
+        "v_head_dim": v,
+        "attention_bias": False,
+        "rope_interleave": True,
     }
 
 
@@ -325,7 +424,24 @@ def _rope(gguf: GGUFFile, arch: str, get, facts: GGUFFacts) -> dict:
         rope["beta_fast"] = get("rope.scaling.yarn_beta_fast", 32.0)
         rope["beta_slow"] = get("rope.scaling.yarn_beta_slow", 1.0)
         rope["truncate"] = facts.yarn_truncate  # see the module docstring
+    if kind == "yarn" and facts.mla:
+        rope.update(_mla_yarn(gguf, arch, get))
     return rope
+
+
+def _mla_yarn(gguf: GGUFFile, arch: str, get) -> dict:
+    """deepseek2's YaRN as llama.cpp runs it: cos and sin unscaled (ggml's own YaRN factor cancelled)
+    and the scores times (1 + 0.1 mscale_all_dim ln factor)^2, mscale_all_dim written x 0.1 as
+    rope.scaling.yarn_log_multiplier; in transformers' terms mscale = mscale_all_dim, or no mscale
+    and an attention_factor of 1 where the key is absent."""
+    if get("rope.scaling.yarn_attn_factor", 1.0) != 1.0:
+        raise CheckpointError(
+            f"{gguf.path}: {arch}.rope.scaling.yarn_attn_factor is not supported for {arch} (only 1)."
+        )
+    log_mul = get("rope.scaling.yarn_log_multiplier", 0.0)
+    if not log_mul:
+        return {"attention_factor": 1.0}
+    return {"mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1}
 
 
 def _single(value, key: str, gguf: GGUFFile):
@@ -393,6 +509,8 @@ def _canonical_tensors(
                     half = t.shape[-2] // 2
                     gate, up = _rows(t, 0, half), _rows(t, half, 2 * half)
                     tensors[prefix + layer_names[rel]] = _gate_up_pieces(gate, up, interleave=True)
+        if all(rel in block for rel in _MLA_KV_B):
+            tensors[prefix + "attn.kv_b.weight"] = _joined_kv_b(gguf, tuple(block.pop(r) for r in _MLA_KV_B))
         for rel, name in block.items():
             canonical = layer_names.get(rel)
             tensors[prefix + canonical if canonical else name] = gguf.tensor(name)
@@ -407,6 +525,25 @@ def _canonical_tensors(
                     if t is not None and t.shape[0] == heads * attention.head_dim:  # else: reported
                         tensors[f"{prefix}attn.{proj}.{kind}"] = _unpermute(t, heads)
     return tensors
+
+
+def _joined_kv_b(gguf: GGUFFile, names: tuple[str, str]) -> torch.Tensor:
+    """attn_k_b [heads, kv_lora_rank, nope] and attn_v_b [heads, v, kv_lora_rank] -> kv_b
+    [heads * (nope + v), kv_lora_rank]: each head's key rows, then its value rows, as transformers'
+    kv_b_proj. Dequantised where stored quantised: k_b's rows run along nope, kv_b's along the latent."""
+    k_b, v_b = (gguf.tensor(n) for n in names)
+    k_b, v_b = (dequantize(t) if isinstance(t, QTensor) else t for t in (k_b, v_b))
+    if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+        raise TensorError(
+            f"{gguf.path}: {names[0]} is {tuple(k_b.shape)} and {names[1]} is {tuple(v_b.shape)}; they "
+            "must be [heads, kv_lora_rank, qk_nope_head_dim] and [heads, v_head_dim, kv_lora_rank]."
+        )
+    if k_b.dtype != v_b.dtype:
+        k_b, v_b = k_b.float(), v_b.float()
+    kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [heads, nope + v, kv_lora_rank], a copy
+    for name in names:
+        gguf.release(name)
+    return kv_b.reshape(-1, kv_b.shape[-1])
 
 
 def _per_expert_parts(
@@ -586,5 +723,7 @@ def _gguf_names(canonical: str, arch: str) -> str:
     layer, rel = m.groups()
     if rel in _GATE_UP:
         return " + ".join(f"blk.{layer}.{part}" for part in _GATE_UP[rel])
+    if rel == "attn.kv_b.weight":
+        return f"blk.{layer}.attn_kv_b.weight (or {' + '.join(f'blk.{layer}.{p}' for p in _MLA_KV_B)})"
     table = _layer_names(gguf_facts(arch))
     return next((f"blk.{layer}.{g}" for g, c in table.items() if c == rel), canonical)

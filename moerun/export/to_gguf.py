@@ -2,7 +2,9 @@
 `moerun.checkpoint.gguf`, with its name tables, and what llama.cpp's convert_hf_to_gguf.py
 writes for the arch: its metadata keys, q and k rows permuted for `llama` (LlamaModel.permute), gate
 and up experts stored apart ([E, I, H] each; GPT-OSS's interleaved rows split into even and odd), the
-Qwen2-MoE shared-expert gate stored [H], GPT-OSS's MLP norm named post_attention_norm.
+Qwen2-MoE shared-expert gate stored [H], GPT-OSS's MLP norm named post_attention_norm, DeepSeek's
+kv_b split per head into attn_k_b (transposed) and attn_v_b as the absorbed MLA of llama.cpp's
+deepseek2 reads it.
 
 Formats (moerun.export.convert), as llama.cpp keeps them: expert projections in `spec.experts` (down
 in `spec.down`); 1-D tensors, biases and the router (ffn_gate_inp) in f32; the other 2-D weights in
@@ -43,9 +45,10 @@ from moerun.decoder.model import check_model_tensors
 from moerun.export.convert import ExportError, QuantizeSpec, Tensor, TensorConverter
 from moerun.export.gguf_vocab_export import VocabError, vocab_metadata
 from moerun.export.gguf_writer import GGUFWriter
-from moerun.families import FAMILIES, family
+from moerun.families import FAMILIES, GGUFFacts, family
 from moerun.loader import CheckpointError, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.loader.hf_config import read_hf_config
+from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
 
 # general.file_type (llama.cpp's llama_ftype) by expert format: the "mostly" type of the bulk
@@ -177,7 +180,7 @@ def model_metadata(config: ModelConfig, arch: str, name: str, spec: QuantizeSpec
     """The `general.*` and `{arch}.*` keys llama.cpp reads for this model (convert_hf_to_gguf.py's
     TextModel.set_gguf_parameters and each model class's additions)."""
     attention, moe, rope = config.attention, config.moe, config.attention.rope
-    facts = gguf_facts(arch)
+    facts = family(config.model_type).GGUF  # the arch's, with this family's gating
     expert_ff = moe.intermediate
     # llama and olmoe read the experts' size from feed_forward_length; the others their dense MLPs'
     shared_width = facts.experts_width_key == "feed_forward_length"
@@ -219,7 +222,9 @@ def model_metadata(config: ModelConfig, arch: str, name: str, spec: QuantizeSpec
     if facts.partial_rotary:  # Glm4MoeModel: int(head_dim * partial_rotary_factor)
         keys["rope.dimension_count"] = rope.rotary_dims or attention.head_dim
     if facts.deepseek_moe_keys:
-        keys.update(_deepseek_moe_keys(config, facts.default_gating))
+        keys.update(_deepseek_moe_keys(config, facts))
+    if facts.mla:
+        keys.update(_mla_keys(config))
     return {
         "general.architecture": arch,
         "general.name": name,
@@ -229,12 +234,14 @@ def model_metadata(config: ModelConfig, arch: str, name: str, spec: QuantizeSpec
     }
 
 
-def _deepseek_moe_keys(config: ModelConfig, gating: str) -> dict[str, object]:
+def _deepseek_moe_keys(config: ModelConfig, facts: GGUFFacts) -> dict[str, object]:
     """leading_dense_block_count, expert_shared_count and the routing's keys, as Glm4MoeModel writes
-    them, the gating the arch's family routes by (what these keys cannot say, such as expert groups,
-    the read-back comparison refuses)."""
+    them, the gating the family routes by (what these keys cannot say the read-back comparison
+    refuses); for deepseek2 as DeepseekV2Model and TextModel write them: expert_weights_norm only where
+    true, no nextn_predict_layers, the expert groups where the routing has them."""
     moe, routing = config.moe, config.moe.routing
-    return {
+    gating = facts.scoring or facts.default_gating
+    keys = {
         "leading_dense_block_count": next(
             (i for i, m in enumerate(config.moe_layers) if m), config.num_layers
         ),
@@ -244,6 +251,35 @@ def _deepseek_moe_keys(config: ModelConfig, gating: str) -> dict[str, object]:
         "expert_weights_norm": bool(getattr(routing, "renormalize", False)),
         "nextn_predict_layers": 0,  # moerun loads no multi-token-prediction layers to write
     }
+    if facts.mla:
+        del keys["nextn_predict_layers"]
+        if not keys["expert_weights_norm"]:
+            del keys["expert_weights_norm"]
+    if facts.expert_groups and getattr(routing, "group_limited", True):  # DeepSeek-V3 always has them
+        keys["expert_group_count"] = routing.n_group
+        keys["expert_group_used_count"] = routing.topk_group
+    return keys
+
+
+def _mla_keys(config: ModelConfig) -> dict[str, object]:
+    """DeepseekV2Model's attention keys: MLA as MQA over the latent (head_count_kv 1; key_length and
+    value_length the latent's), each head's q/k and v widths as key_length_mla / value_length_mla,
+    YaRN's mscale_all_dim times 0.1 as rope.scaling.yarn_log_multiplier."""
+    attention = config.attention
+    rope_dims, kv_lora = attention.qk_rope_head_dim, attention.kv_lora_rank
+    keys: dict[str, object] = {
+        "attention.head_count_kv": 1,
+        "attention.kv_lora_rank": kv_lora,
+        "attention.key_length": kv_lora + rope_dims,
+        "attention.value_length": kv_lora,
+        "attention.key_length_mla": attention.qk_nope_head_dim + rope_dims,
+        "attention.value_length_mla": attention.v_head_dim,
+    }
+    if attention.q_lora_rank is not None:
+        keys["attention.q_lora_rank"] = attention.q_lora_rank
+    if attention.rope.mscale_all_dim is not None:
+        keys["rope.scaling.yarn_log_multiplier"] = 0.1 * attention.rope.mscale_all_dim
+    return keys
 
 
 @dataclass
@@ -324,6 +360,9 @@ def gguf_layout(arch: str, canonical: str, tensor: Tensor, config: ModelConfig) 
         dim = -1 if rel.endswith("_bias") else -2
         parts = _split_gate_up(tensor, dim, interleaved)
         return [(prefix + name, part) for name, part in zip(gate_up[rel], parts, strict=True)]
+    if rel == "attn.kv_b.weight" and gguf_facts(arch).mla:
+        k_b, v_b = _split_kv_b(tensor, config)
+        return [(prefix + "attn_k_b.weight", k_b), (prefix + "attn_v_b.weight", v_b)]
     names = {c: g for g, c in layer_table.items()}
     if rel not in names:
         raise ExportError(f"{canonical}: no GGUF name for this tensor in a {arch} file.")
@@ -345,6 +384,17 @@ def _split_gate_up(t: Tensor, dim: int, interleaved: bool) -> tuple[Tensor, Tens
     if interleaved:
         return t.unflatten(dim, (-1, 2)).unbind(dim)
     return t.chunk(2, dim=dim)
+
+
+def _split_kv_b(kv_b: Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b [heads * (nope + v), kv_lora_rank] -> k_b [heads, kv_lora_rank, nope] (each head's key
+    rows, transposed) and v_b [heads, v, kv_lora_rank], as DeepseekV2Model.modify_tensors splits it."""
+    attention = config.attention
+    if isinstance(kv_b, QTensor):
+        kv_b = dequantize(kv_b)
+    nope, v = attention.qk_nope_head_dim, attention.v_head_dim
+    k_b, v_b = kv_b.reshape(attention.heads, nope + v, kv_b.shape[-1]).split([nope, v], dim=1)
+    return k_b.transpose(1, 2).contiguous(), v_b.contiguous()
 
 
 def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:

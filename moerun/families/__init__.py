@@ -55,6 +55,13 @@ class GGUFFacts:
     deepseek_moe_keys: bool = False
     default_gating: str = "softmax"
     partial_rotary: bool = False  # rope.dimension_count may be the first part of each head (GLM-4)
+    # deepseek2: multi-head latent attention (attention.q_lora_rank, kv_lora_rank, key_length(_mla),
+    # value_length(_mla); kv_b whole or split per head into k_b / v_b; YaRN's mscale_all_dim as
+    # rope.scaling.yarn_log_multiplier); expert_group_count / _used_count read; and, where families
+    # share an arch, the gating (expert_gating_func) whose files are this family's
+    mla: bool = False
+    expert_groups: bool = False
+    scoring: str | None = None
 
 
 def family(model_type: str) -> ModuleType:

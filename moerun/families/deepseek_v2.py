@@ -3,11 +3,23 @@ shared experts of `moe_intermediate_size * n_shared_experts`."""
 
 from moerun.decoder.config import ModelConfig
 from moerun.errors import ConfigError
-from moerun.families import decoder_config
+from moerun.families import GGUFFacts, decoder_config
 from moerun.families.moe_block import first, fused_expert_names, hf_glu, shared_mlp_names
 from moerun.moe.layer import MoESpec
 from moerun.moe.routing import DeepSeekV2Softmax
 
+# its GGUF files: llama.cpp's deepseek2, which DeepSeek-V3 shares; softmax gating (expert_gating_func 1,
+# or absent: llama.cpp's default for the V2 files written before the key) tells V2's apart. The rows
+# are as transformers stores them: ggml's normal RoPE rotates the interleaved pairs DeepSeek lays out.
+GGUF = GGUFFacts(
+    "deepseek2",
+    explicit_vocab_and_rope_dims=True,
+    deepseek_moe_keys=True,
+    default_gating="softmax",
+    mla=True,
+    expert_groups=True,
+    scoring="softmax",
+)
 MOE_NAMES = {**fused_expert_names(router="gate"), **shared_mlp_names("shared_experts")}
 
 

@@ -1,12 +1,17 @@
 """DeepSeek-V3: sigmoid scores with a score-correction bias for the choice, group-limited by each
 group's top-2 sum; unbiased weights, optional renormalisation, routed scaling; ungated shared experts."""
 
+import dataclasses
+
 from moerun.decoder.config import ModelConfig
-from moerun.families import decoder_config
+from moerun.families import decoder_config, deepseek_v2
 from moerun.families.moe_block import first, fused_expert_names, hf_glu, shared_mlp_names
 from moerun.moe.layer import MoESpec
 from moerun.moe.routing import DeepSeekV3Sigmoid
 
+# its GGUF files: llama.cpp's deepseek2, as DeepSeek-V2's, told apart by sigmoid gating
+# (expert_gating_func 2); the score-correction bias is exp_probs_b.bias
+GGUF = dataclasses.replace(deepseek_v2.GGUF, scoring="sigmoid")
 MOE_NAMES = {
     **fused_expert_names(router="gate"),
     "router.score_bias": "gate.e_score_correction_bias",

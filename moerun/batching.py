@@ -221,10 +221,7 @@ class Generation:
         n = 0
         while n < limit and old_ids[n] == self.seen[n]:
             n += 1
-        new, old_layers = self.cache.keys + self.cache.values, old.keys + old.values
-        for new_layer, old_layer in zip(new, old_layers, strict=True):
-            new_layer[:, :, :n].copy_(old_layer[:, :, :n])
-        self.cache.length = n
+        self.cache.copy_prefix(old, n)
         return n
 
 

@@ -19,12 +19,17 @@ __all__ = ["AttentionSpec", "ConfigError", "MLASpec", "ModelConfig", "RopeSpec"]
 @dataclass(frozen=True)
 class RopeSpec:
     """Rotary embedding over each head, or over its first `rotary_dims` (GLM-4) (`kind`: default,
-    linear or yarn, as transformers names them)."""
+    linear, yarn or longrope, as transformers names them).
+
+    longrope (Phi-3, Phi-3.5-MoE): frequency i is divided by short_factor[i], or by long_factor[i]
+    in a forward pass whose sequence reaches past `original_max_positions` (all its positions);
+    cos and sin are scaled by short_mscale / long_mscale where given (PhiMoE), else by
+    `attention_factor`, else by sqrt(1 + ln factor / ln original_max_positions)."""
 
     theta: float
     kind: str = "default"
     factor: float = 1.0
-    original_max_positions: int | None = None  # yarn
+    original_max_positions: int | None = None  # yarn, longrope
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
@@ -32,14 +37,25 @@ class RopeSpec:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     rotary_dims: int | None = None  # partial rotary: the first this many dims of a head; None: all
+    short_factor: tuple[float, ...] | None = None  # longrope: one divisor per frequency
+    long_factor: tuple[float, ...] | None = None
+    short_mscale: float | None = None  # longrope (PhiMoE): the cos/sin scale up to / past the boundary
+    long_mscale: float | None = None
+    # longrope: False keeps short_factor past the boundary too (transformers' PhiMoE recomputes its
+    # frequencies from short_factor in every forward; only its mscale switches)
+    long_frequencies: bool = True
 
     def __post_init__(self):
-        if self.kind not in ("default", "linear", "yarn"):
+        if self.kind not in ("default", "linear", "yarn", "longrope"):
             raise ConfigError(
-                f"rope_type {self.kind!r} is not supported; moerun knows default, linear and yarn."
+                f"rope_type {self.kind!r} is not supported; moerun knows default, linear, yarn and longrope."
             )
-        if self.kind == "yarn" and self.original_max_positions is None:
-            raise ConfigError("rope_type 'yarn' needs original_max_position_embeddings in rope_parameters.")
+        if self.kind in ("yarn", "longrope") and self.original_max_positions is None:
+            raise ConfigError(
+                f"rope_type {self.kind!r} needs original_max_position_embeddings in rope_parameters."
+            )
+        if self.kind == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ConfigError("rope_type 'longrope' needs short_factor and long_factor in rope_parameters.")
 
 
 @dataclass(frozen=True)

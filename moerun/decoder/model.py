@@ -168,13 +168,18 @@ class MoEModel:
                 f"{self.config.max_positions} (max_position_embeddings)."
             )
         n = self.config.num_layers
-        return KVCache.allocate(n, batch, self.config.attention, max_len, self.dtype, self.device)
+        cache = KVCache.allocate(n, batch, self.config.attention, max_len, self.dtype, self.device)
+        if self.rotary.boundary is not None:  # LongRoPE: the ids, to compute them again (_longrope)
+            cache.tokens = torch.zeros((batch, max_len), dtype=torch.long, device=self.device)
+        return cache
 
     def forward(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """ids [B, T] at the cache's next positions -> final hidden states [B, T, H]; advances the cache."""
         start, T = cache.length, ids.shape[1]
         if start + T > cache.capacity:
             raise ContextError(f"{start + T} positions do not fit a KV cache of {cache.capacity}.")
+        reach = max(start + T, cache.rope_reach)  # LongRoPE's set: see _longrope
+        self._longrope(cache, ids, reach)
         if self._native_decode and ids.shape == (1, 1):
             return self._decode_native(ids, cache)
         positions = torch.arange(start, start + T, device=self.device)
@@ -182,7 +187,7 @@ class MoEModel:
         def attend(i: int, attn: Attention, h: torch.Tensor, cos_sin) -> torch.Tensor:
             return attn(h, cos_sin, cache.keys[i], cache.values[i], start)
 
-        x = self._run(ids, positions, attend)
+        x = self._run(ids, positions, attend, reach)
         cache.length = start + T
         return x
 
@@ -198,26 +203,58 @@ class MoEModel:
         for cache, T in zip(caches, lengths, strict=True):
             if cache.length + T > cache.capacity:
                 raise ContextError(f"{cache.length + T} positions do not fit a KV cache of {cache.capacity}.")
+        for cache, chunk in zip(caches, chunks, strict=True):
+            self._longrope(cache, chunk.view(1, -1), max(cache.length + len(chunk), cache.rope_reach))
         spans = [(c.length, c.length + T) for c, T in zip(caches, lengths, strict=True)]
         positions = torch.cat([torch.arange(a, b, device=self.device) for a, b in spans])
+        reach = torch.cat(  # LongRoPE's set, each sequence's own
+            [
+                torch.full((b - a,), max(b, c.rope_reach), device=self.device)
+                for (a, b), c in zip(spans, caches, strict=True)
+            ]
+        )
 
         def attend(i: int, attn: Attention, h: torch.Tensor, cos_sin) -> torch.Tensor:
             segments = [(c.keys[i], c.values[i], c.length, T) for c, T in zip(caches, lengths, strict=True)]
             return attn.ragged(h, cos_sin, segments)
 
-        x = self._run(torch.cat(list(chunks)).view(1, -1), positions, attend)
+        x = self._run(torch.cat(list(chunks)).view(1, -1), positions, attend, reach)
         for cache, T in zip(caches, lengths, strict=True):
             cache.length += T
         ends = torch.tensor(lengths).cumsum(0) - 1
         return x[0, ends.to(x.device)]
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+    def _longrope(self, cache: KVCache, ids: torch.Tensor, reach: int) -> None:
+        """LongRoPE, before a pass of `ids` [B, T] over `cache` that reaches `reach` positions: where
+        the pass uses the other set than the one that rotated the cached positions (the sequence
+        crosses original_max_position_embeddings; or a prefix reused from one past it), those
+        positions are computed again with it first, as transformers' generate does for PhiMoE and
+        Phi-3 (it drops the cache when a sequence first grows past the boundary); then the ids are
+        kept. Other RoPE kinds: nothing."""
+        if cache.tokens is None:
+            return
+        start, long = cache.length, reach > self.rotary.boundary
+        if start and long != cache.rope_long:
+            cache.length = 0
+            for s in range(0, start, self.prefill_chunk):
+                chunk = cache.tokens[:, s : min(start, s + self.prefill_chunk)]
+
+                def attend(i: int, attn: Attention, h: torch.Tensor, cos_sin, s: int = s) -> torch.Tensor:
+                    return attn(h, cos_sin, cache.keys[i], cache.values[i], s)
+
+                self._run(chunk, torch.arange(s, s + chunk.shape[1], device=self.device), attend, reach)
+                cache.length = s + chunk.shape[1]
+        cache.rope_long = long
+        cache.tokens[:, start : start + ids.shape[-1]] = ids
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend, reach=None) -> torch.Tensor:
         """ids [B, T] at `positions` [T] -> final hidden states [B, T, H]; `attend(i, attention, h,
-        cos_sin)` runs layer i's attention on normed hidden states h against the right cache."""
+        cos_sin)` runs layer i's attention on normed hidden states h against the right cache;
+        `reach` [T]: the length each position's sequence reaches in this pass (Rotary.cos_sin)."""
         # quantised linears on the native kernels compute in fp32: the activations stay fp32 between
         # them (as in a decode step), no round trips through the compute dtype; the KV cache keeps it
         act_dtype = torch.float32 if self._fp32_activations else self.dtype
-        cos_sin = self.rotary.cos_sin(positions, act_dtype)
+        cos_sin = self.rotary.cos_sin(positions, act_dtype, reach)
         x = self._embed(ids.to(self.device)).to(act_dtype)  # [B, T, H]
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
@@ -258,7 +295,8 @@ class MoEModel:
                 for attn, norm in zip(self.attentions, self.attn_norms, strict=True)
             ]
         eps, pos = self.config.norm_eps, cache.length
-        cos, sin = (c[0].contiguous() for c in self.rotary.cos_sin(torch.tensor([pos]), torch.float32))
+        reach = max(pos + 1, cache.rope_reach)
+        cos, sin = (c[0].contiguous() for c in self.rotary.cos_sin(torch.tensor([pos]), torch.float32, reach))
         x = self._embed(ids).reshape(-1).float().contiguous()  # [H] fp32, updated in place
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
@@ -333,6 +371,7 @@ class MoEModel:
             ids = ids[None]
         self.check_ids(ids)
         cache = self.new_cache(ids.shape[0], ids.shape[1])
+        cache.rope_reach = ids.shape[1]  # LongRoPE: every chunk as one pass over them all would
         chunks = [
             self.hidden_logits(self.forward(ids[:, s : s + self.prefill_chunk], cache))
             for s in range(0, ids.shape[1], self.prefill_chunk)

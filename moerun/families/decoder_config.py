@@ -21,17 +21,29 @@ def rope_spec(config: Mapping, default: Mapping | None = None) -> RopeSpec:
             params.setdefault(key, value)
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
+    original, factor = params.get("original_max_position_embeddings"), params.get("factor")
+    longrope = {}
+    if kind == "longrope":  # as transformers: the boundary defaults to the context, factor to their ratio
+        original = original or config.get("max_position_embeddings")
+        if factor is None and original:
+            factor = config.get("max_position_embeddings", original) / original
+        longrope = {
+            key: tuple(float(f) for f in params[key]) if key in params else None
+            for key in ("short_factor", "long_factor")
+        }
+        longrope.update(short_mscale=params.get("short_mscale"), long_mscale=params.get("long_mscale"))
     return RopeSpec(
         theta=float(theta),
         kind=kind,
-        factor=float(params.get("factor") or 1.0),
-        original_max_positions=params.get("original_max_position_embeddings"),
+        factor=float(factor or 1.0),
+        original_max_positions=original,
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         truncate=bool(params.get("truncate", True)),
         attention_factor=params.get("attention_factor"),
         mscale=params.get("mscale"),
         mscale_all_dim=params.get("mscale_all_dim"),
+        **longrope,
     )
 
 

@@ -91,7 +91,7 @@ class Ids:
 class Each:
     """A list (at most `longest` entries) whose every entry satisfies `rule`."""
 
-    rule: Count | Choice | Flag
+    rule: Count | Number | Choice | Flag
     longest: int = 1 << 16
     nullable: bool = True
 
@@ -182,8 +182,12 @@ FIELDS: dict[str, Count | Number | Flag | Choice | Ids | Each | Section] = {
     "use_sliding_window": Flag(),
     "truncate": Flag(),
     "hidden_act": Choice(tuple(HF_ACTIVATIONS)),
-    "rope_type": Choice(("default", "linear", "yarn")),
-    "type": Choice(("default", "linear", "yarn")),  # rope_scaling's older spelling of rope_type
+    "rope_type": Choice(("default", "linear", "yarn", "longrope")),
+    "type": Choice(("default", "linear", "yarn", "longrope")),  # rope_scaling's older spelling of rope_type
+    "short_factor": Each(Number(0, 1e6), longest=4096),  # longrope: one per frequency
+    "long_factor": Each(Number(0, 1e6), longest=4096),
+    "short_mscale": Number(0, 1e6),  # PhiMoE's longrope: the cos/sin scale up to / past the boundary
+    "long_mscale": Number(0, 1e6),
     "topk_method": Choice(("greedy", "group_limited_greedy")),
     "layer_types": Each(Choice(("sliding_attention", "full_attention")), longest=1024),
     "mlp_only_layers": Each(Count(0, 1 << 20)),

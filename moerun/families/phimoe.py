@@ -1,8 +1,11 @@
 """PhiMoE (Phi-3.5-MoE): sparsemixer top-2 routing (eval mode) with `router_jitter_noise` as its
 epsilon; LayerNorms with biases, attention and lm_head biases, an optional sliding window.
 
-Phi-3.5-MoE's own checkpoints use RoPE "longrope" (short and long factors), which moerun refuses
-(the rope_type row of moerun.families.fields names it); default RoPE loads."""
+Phi-3.5-MoE's own checkpoints use RoPE "longrope" as transformers 5's PhiMoE computes it: the
+short_factor frequencies at every length, cos and sin scaled by short_mscale, or by long_mscale in a
+forward pass whose sequence is longer than original_max_position_embeddings (moerun.decoder.rope)."""
+
+import dataclasses
 
 from moerun.decoder.config import ModelConfig
 from moerun.errors import ConfigError
@@ -35,6 +38,9 @@ def moe_spec(config: dict) -> MoESpec:
 def model_config(config: dict) -> ModelConfig:
     bias = bool(config.get("attention_bias"))
     attention = decoder_config.attention_spec(config, qkv_bias=bias, o_bias=bias)
+    if attention.rope.kind == "longrope":  # transformers' PhiMoE never uses long_factor
+        rope = dataclasses.replace(attention.rope, long_frequencies=False)
+        attention = dataclasses.replace(attention, rope=rope)
     window = decoder_config.sliding_window(config)
     n = config["num_hidden_layers"]
     return decoder_config.model_config(

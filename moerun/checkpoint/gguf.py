@@ -24,11 +24,22 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from moerun.checkpoint.gguf_experts import (
+    GateUp,
+    described,
+    described_experts,
+    fuse,
+    gate_up_pieces,
+    interleave_halves,
+    per_expert_parts,
+    rows,
+    stacked_experts,
+    unpermute,
+)
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.model import check_model_tensors
 from moerun.errors import ConfigError, GGUFMetadataError, TensorError, in_file, quote
@@ -36,7 +47,7 @@ from moerun.families import FAMILIES, GGUFFacts, family
 from moerun.families.fields import CheckedConfig, check_field
 from moerun.loader import CheckpointError, GGUFFile
 from moerun.moe.layer import StateDictError
-from moerun.offload.pieces import ExpertPieces, Piece, stand_ins
+from moerun.offload.pieces import ExpertPieces, stand_ins
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
 
@@ -87,16 +98,6 @@ _GATE_UP = {  # canonical name -> (gate part, up part), stored apart in GGUF
 # attn_k_b [heads, kv_lora_rank, nope] (each head's key rows, transposed) + attn_v_b [heads, v,
 # kv_lora_rank] -> kv_b, as convert_hf_to_gguf.py's DeepseekV2Model splits it for the absorbed MLA
 _MLA_KV_B = ("attn_k_b.weight", "attn_v_b.weight")
-
-
-@dataclass(frozen=True)
-class _GateUp:
-    """One gate/up pair of a block, stored apart: its two GGUF names, whether they are routed
-    experts (which must share a format to be fused), and whether their rows interleave when joined."""
-
-    names: tuple[str, str]
-    expert: bool
-    interleave: bool
 
 
 _REQUIRED = object()
@@ -483,11 +484,11 @@ def _canonical_tensors(
         else:
             tensors[_TOP.get(name, name)] = gguf.tensor(name)
     for layer, by_projection in per_expert.items():
-        gate, up, down = _per_expert_parts(gguf, f"blk.{layer}.", by_projection)
+        gate, up, down = per_expert_parts(gguf, f"blk.{layer}.", by_projection)
         joined = (
-            _stacked_experts(gguf, gate, up, down, by_projection)
+            stacked_experts(gguf, gate, up, down, by_projection)
             if assemble
-            else _described_experts(gate, up, down)
+            else described_experts(gate, up, down)
         )
         tensors.update({f"layers.{layer}.moe.experts.{k}": v for k, v in joined.items()})
     for layer, block in sorted(blocks.items()):
@@ -495,20 +496,18 @@ def _canonical_tensors(
         for canonical, (gate, up) in _GATE_UP.items():
             if gate in block and up in block:
                 interleave = facts.interleaved_gate_up and canonical.startswith("moe.experts")
-                parts = _GateUp(
-                    (block.pop(gate), block.pop(up)), expert="exps" in gate, interleave=interleave
-                )
+                parts = GateUp((block.pop(gate), block.pop(up)), expert="exps" in gate, interleave=interleave)
                 describe = not assemble and canonical == "moe.experts.gate_up"
-                tensors[prefix + canonical] = (_described if describe else _fuse)(gguf, parts)
+                tensors[prefix + canonical] = (described if describe else fuse)(gguf, parts)
         for dim, rel in ((-2, "ffn_gate_up_exps.weight"), (-1, "ffn_gate_up_exps.bias")):
             if facts.interleaved_gate_up and rel in block:  # stored fused as gate rows then up rows
                 t = gguf.tensor(block.pop(rel))
                 if assemble or dim == -1:
-                    tensors[prefix + layer_names[rel]] = _interleave_halves(t, dim)
+                    tensors[prefix + layer_names[rel]] = interleave_halves(t, dim)
                 else:  # the halves described as gate and up experts
                     half = t.shape[-2] // 2
-                    gate, up = _rows(t, 0, half), _rows(t, half, 2 * half)
-                    tensors[prefix + layer_names[rel]] = _gate_up_pieces(gate, up, interleave=True)
+                    gate, up = rows(t, 0, half), rows(t, half, 2 * half)
+                    tensors[prefix + layer_names[rel]] = gate_up_pieces(gate, up, interleave=True)
         if all(rel in block for rel in _MLA_KV_B):
             tensors[prefix + "attn.kv_b.weight"] = _joined_kv_b(gguf, tuple(block.pop(r) for r in _MLA_KV_B))
         for rel, name in block.items():
@@ -523,7 +522,7 @@ def _canonical_tensors(
                 for kind in ("weight", "bias"):
                     t = tensors.get(f"{prefix}attn.{proj}.{kind}")
                     if t is not None and t.shape[0] == heads * attention.head_dim:  # else: reported
-                        tensors[f"{prefix}attn.{proj}.{kind}"] = _unpermute(t, heads)
+                        tensors[f"{prefix}attn.{proj}.{kind}"] = unpermute(t, heads)
     return tensors
 
 
@@ -544,173 +543,6 @@ def _joined_kv_b(gguf: GGUFFile, names: tuple[str, str]) -> torch.Tensor:
     for name in names:
         gguf.release(name)
     return kv_b.reshape(-1, kv_b.shape[-1])
-
-
-def _per_expert_parts(
-    gguf: GGUFFile, block: str, by_projection: dict[str, dict[int, str]]
-) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    """The old layout (blk.N.ffn_{gate,up,down}.E.weight, one tensor per expert, as llama.cpp wrote
-    Mixtral before merged expert tensors): each projection's experts, checked to be complete and
-    alike; `_stacked_experts` or `_described_experts` makes the canonical projections of them."""
-    count = max(len(names) for names in by_projection.values())
-    parts: dict[str, list[Tensor]] = {}
-    for proj in ("gate", "up", "down"):
-        names = by_projection.get(proj, {})
-        if sorted(names) != list(range(count)):
-            missing = sorted(set(range(count)) - set(names))
-            raise CheckpointError(
-                f"{gguf.path}: the per-expert tensors {block}ffn_{proj}.E.weight are incomplete: "
-                f"experts {missing} are missing."
-            )
-        parts[proj] = [gguf.tensor(names[e]) for e in range(count)]
-        if len(_kinds(parts[proj])) > 1 or (proj == "up" and _kinds(parts["up"]) != _kinds(parts["gate"])):
-            raise CheckpointError(
-                f"{gguf.path}: the per-expert tensors {block}ffn_{proj}.E.weight differ in shape or type "
-                "between experts (or from ffn_gate's); moerun stacks them into one tensor."
-            )
-    return parts["gate"], parts["up"], parts["down"]
-
-
-def _described_experts(gate: list[Tensor], up: list[Tensor], down: list[Tensor]) -> dict[str, ExpertPieces]:
-    """Per-expert tensors -> gate_up [E, 2I, H] and down [E, H, I] described over their views, for
-    streaming (nothing is read)."""
-    rows = gate[0].shape[0]
-    gate_up = (Piece([_data(t) for t in gate]), Piece([_data(t) for t in up], row=rows))
-    return {
-        "gate_up": _pieces_of(gate, gate_up, 2 * rows),
-        "down": _pieces_of(down, (Piece([_data(t) for t in down]),), down[0].shape[0]),
-    }
-
-
-def _stacked_experts(
-    gguf: GGUFFile, gate: list[Tensor], up: list[Tensor], down: list[Tensor], by_projection: dict
-) -> dict[str, Tensor]:
-    """Per-expert tensors -> gate_up [E, 2I, H] and down [E, H, I] stacked in RAM; the mapped pages
-    they were copied from are given back."""
-    out = {"gate_up": _stack(gate + up, len(gate)), "down": _stack(down, len(down))}
-    for names in by_projection.values():
-        for name in names.values():
-            gguf.release(name)
-    return out
-
-
-def _kinds(tensors: list[Tensor]) -> set:
-    return {(tuple(t.shape), getattr(t, "format", None) or t.dtype) for t in tensors}
-
-
-def _pieces_of(experts: list[Tensor], pieces: tuple[Piece, ...], rows: int) -> ExpertPieces:
-    first = experts[0]
-    shape = (len(experts), rows, first.shape[-1])
-    if isinstance(first, QTensor):
-        return ExpertPieces(shape, torch.uint8, first.format, pieces)
-    return ExpertPieces(shape, first.dtype, None, pieces)
-
-
-def _stack(parts: list[Tensor], num_experts: int) -> Tensor:
-    """parts = gate of experts 0..E-1 then up of 0..E-1 (or just one projection's) -> [E, rows, in]."""
-    halves = [parts[i : i + num_experts] for i in range(0, len(parts), num_experts)]
-    if isinstance(parts[0], QTensor):
-        data = torch.cat([torch.stack([t.data for t in half]) for half in halves], dim=1)
-        return QTensor(parts[0].format, (num_experts, data.shape[1], parts[0].shape[-1]), data)
-    return torch.cat([torch.stack(half) for half in halves], dim=1)
-
-
-def _described(gguf: GGUFFile, parts: _GateUp) -> ExpertPieces:
-    """What `_fuse` would build for gate and up experts, described over views of the file."""
-    gate, up = _gate_and_up(gguf, parts)
-    return _gate_up_pieces(gate, up, parts.interleave)
-
-
-def _gate_up_pieces(gate: Tensor, up: Tensor, interleave: bool) -> ExpertPieces:
-    """gate and up experts [E, I, in] as the pieces of gate_up [E, 2I, in]: gate rows then up rows, or
-    (interleave) gate row j at 2j and up row j at 2j + 1."""
-    rows = gate.shape[-2]
-    pieces = (
-        (Piece(_data(gate), row=0, step=2), Piece(_data(up), row=1, step=2))
-        if interleave
-        else (Piece(_data(gate)), Piece(_data(up), row=rows))
-    )
-    shape = (*gate.shape[:-2], 2 * rows, gate.shape[-1])
-    if isinstance(gate, QTensor):
-        return ExpertPieces(shape, torch.uint8, gate.format, pieces)
-    dtype = gate.dtype if gate.dtype == up.dtype else torch.float32  # as `_fuse` joins them
-    return ExpertPieces(shape, dtype, None, pieces)
-
-
-def _data(t: Tensor) -> torch.Tensor:
-    return t.data if isinstance(t, QTensor) else t
-
-
-def _rows(t: Tensor, begin: int, end: int) -> Tensor:
-    """Rows [begin, end) of every expert of [E, rows, in]."""
-    if isinstance(t, QTensor):
-        return QTensor(t.format, (*t.shape[:-2], end - begin, t.shape[-1]), t.data[..., begin:end, :])
-    return t[..., begin:end, :]
-
-
-def _gate_and_up(gguf: GGUFFile, parts: _GateUp) -> tuple[Tensor, Tensor]:
-    """The gate and up tensors, checked to have the same shape and, for experts, the same format."""
-    names = parts.names
-    gate, up = (gguf.tensor(n) for n in names)
-    for name, t in zip(names, (gate, up), strict=True):
-        if not isinstance(t, QTensor) and not t.is_floating_point():
-            raise TensorError(f"{gguf.path}: {name} is {t.dtype}, not a floating-point weight.")
-    if tuple(gate.shape) != tuple(up.shape):
-        raise CheckpointError(
-            f"{gguf.path}: {names[0]} is {tuple(gate.shape)} but {names[1]} is {tuple(up.shape)}; "
-            "gate and up must have the same shape."
-        )
-    quantised = isinstance(gate, QTensor) or isinstance(up, QTensor)
-    if quantised and not (isinstance(gate, QTensor) and isinstance(up, QTensor) and gate.format == up.format):
-        if parts.expert:
-            kinds = [gguf.info(n).type_name for n in names]
-            raise CheckpointError(
-                f"{gguf.path}: {names[0]} is {kinds[0]} but {names[1]} is {kinds[1]}; moerun fuses gate and "
-                "up experts into one tensor, so both must have the same type (requantise one of them)."
-            )
-        gate, up = dequantize(gate), dequantize(up)
-    return gate, up
-
-
-def _fuse(gguf: GGUFFile, parts: _GateUp) -> Tensor:
-    """gate [.., I, in] and up [.., I, in] (or biases [.., I]) -> [.., 2I, in]: gate rows then up rows,
-    or (interleave) gate row j at 2j and up row j at 2j + 1. Quantised parts stay quantised when they
-    share a format; expert parts must, the small dense MLPs are dequantised."""
-    names, interleave = parts.names, parts.interleave
-    gate, up = _gate_and_up(gguf, parts)
-    if isinstance(gate, QTensor):
-        data = _join(gate.data, up.data, dim=-2, interleave=interleave)
-        fused = QTensor(gate.format, (*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1]), data)
-    else:
-        if gate.dtype != up.dtype:
-            gate, up = gate.float(), up.float()
-        fused = _join(gate, up, dim=-1 if names[0].endswith(".bias") else -2, interleave=interleave)
-    for name in names:  # copied out: give back the mapped pages, so the file is not held twice
-        gguf.release(name)
-    return fused
-
-
-def _join(gate: torch.Tensor, up: torch.Tensor, dim: int, interleave: bool) -> torch.Tensor:
-    """Join along the row dim (-2 for weights, -1 for biases)."""
-    if not interleave:
-        return torch.cat([gate, up], dim=dim)
-    pairs = torch.stack([gate, up], dim=dim)  # [.., I, 2, in] or [.., I, 2]
-    return pairs.flatten(dim - 1, dim)
-
-
-def _interleave_halves(t: Tensor, dim: int) -> Tensor:
-    """[.., 2I, in] gate rows then up rows (or biases [.., 2I]) -> gate row j at 2j, up row j at 2j + 1."""
-    if isinstance(t, QTensor):
-        return QTensor(t.format, t.shape, _interleave_halves(t.data, -2))
-    return t.unflatten(dim, (2, -1)).transpose(dim - 1, dim).flatten(dim - 1, dim)
-
-
-def _unpermute(t: Tensor, heads: int) -> Tensor:
-    """Undo LlamaModel.permute: w.reshape(heads, 2, rows / heads / 2, ...).swapaxes(1, 2)."""
-    if isinstance(t, QTensor):
-        return QTensor(t.format, t.shape, _unpermute(t.data, heads))
-    rows = t.shape[0]
-    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
 def _gguf_names(canonical: str, arch: str) -> str:

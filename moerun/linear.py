@@ -26,11 +26,13 @@ Linear = Callable[..., torch.Tensor]  # linear, or linear with native and intege
 # Rows of x up to which the MoE layer's dense experts go through the native kernels: each expert
 # sees a few of the step's tokens, memory-bound work where they read its rows once for all of them.
 NATIVE_ROWS = 16
-# Rows of x up to which a dense projection goes through the native kernels. Their dense row kernel
-# computes ~30 GMAC/s on 2 Zen 5 cores whatever the rows (bf16, 8192 x 2048: 0.77 ms at 1 row, 4.1 ms
-# at 8), so past two rows torch's GEMM is faster (the 50304-row lm_head: at 4 rows 14 ms, native 17;
-# at 8, 16 ms and 29).
-NATIVE_DENSE_ROWS = 2
+# Rows of x up to which a dense projection goes through the native kernels (fp32 activations, the
+# same bits for a row whatever the rows around it). On 2 Zen 4 cores their row kernel (blocks of
+# rows x tokens, ~70-80 GMAC/s from 4 rows) beats torch's bf16 GEMM up to 4 rows (lm_head 50304 x
+# 2048 at 4 rows: 7.7 ms against 10.3; 2048 x 2048: 0.25 ms against 0.30), ties at 8 on the lm_head
+# and loses at 8 on 2048 x 2048 (0.46 ms against 0.39): oneDNN's brg_matmul:avx512_core_bf16 takes x
+# in bf16 and does two multiply-adds a lane an instruction (docs/PERFORMANCE.md, 2026-12-02).
+NATIVE_DENSE_ROWS = 4
 _FORMAT_OF_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 

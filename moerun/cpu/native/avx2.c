@@ -1,7 +1,8 @@
-/* AVX2 integer-mode kernels (AVX2 + FMA + F16C): q4_k, q6_k x q8_K; q8_0, q4_0, mxfp4 (both nibble
+/* AVX2 kernels (AVX2 + FMA + F16C). Integer mode: q4_k, q6_k x q8_K; q8_0, q4_0, mxfp4 (both nibble
  * orders) x q8_0. As ggml-cpu's AVX2 vec_dot functions: u8 x s8 products (vpmaddubsw), scales applied
- * in int32 (vpmaddwd), one fp32 multiply-add per block. Unaligned loads only; the order of every
- * sum depends only on the row. (The avx512 variant replaces these where it has its own.) */
+ * in int32 (vpmaddwd), one fp32 multiply-add per block. Dense f32 / f16 / bf16 rows: generic.c's
+ * rows_float, operation for operation, in blocks of rows x tokens. Unaligned loads only; the order
+ * of every sum depends only on the row. (The avx512 variant replaces these where it has its own.) */
 #include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -142,12 +143,96 @@ static inline __attribute__((always_inline)) void b32_body(ROWS_ARGS, int kind) 
     }
 }
 
+/* Dense float rows, as generic.c's rows_float computes them: per token 16 fp32 lanes, lane l taking
+ * elements 16k + l (k in order) as a multiply then an add, the n % 16 tail into lanes 0, 1, .. in
+ * order, then sum16's halving tree (8 + 8, 4 + 4, 2 + 2, 1 + 1). Here the lanes are two ymm (0-7,
+ * 8-15) and a block of R rows x G tokens keeps its 2 R G of them in registers (2 R G + R + 1 <= 16):
+ * each weight vector is loaded once for the G tokens, each x vector once for the R rows. */
+static inline __m256 load8(const uint8_t *row, int64_t j, int kind) {
+    if (kind == F_F32) return _mm256_loadu_ps((const float *)row + j);
+    __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * j));
+    if (kind == F_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float load1(const uint8_t *row, int64_t j, int kind) {
+    float v;
+    if (kind == F_F32) memcpy(&v, row + 4 * j, 4);
+    else if (kind == F_F16) v = f16_to_f32(rd16(row + 2 * j));
+    else {
+        uint32_t bits = (uint32_t)rd16(row + 2 * j) << 16;
+        memcpy(&v, &bits, 4);
+    }
+    return v;
+}
+
+static inline __attribute__((always_inline)) void float_block(const uint8_t *row, size_t rb, int64_t r,
+                                                              int64_t n, const void *const *xs,
+                                                              float *const *ys, int R, int G, int kind) {
+    __m256 acc[2][2][3]; /* [lanes 0-7 / 8-15][row][token] */
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < R; i++)
+            for (int t = 0; t < G; t++) acc[h][i][t] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int h = 0; h < 2; h++) {
+            __m256 v[2];
+            for (int i = 0; i < R; i++) v[i] = load8(row + i * rb, j + 8 * h, kind);
+            for (int t = 0; t < G; t++) {
+                __m256 x = _mm256_loadu_ps((const float *)xs[t] + j + 8 * h);
+                __asm__("" : "+x"(x)); /* one load for the R rows, not a memory operand per multiply */
+                for (int i = 0; i < R; i++) acc[h][i][t] = _mm256_add_ps(acc[h][i][t], _mm256_mul_ps(v[i], x));
+            }
+        }
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < G; t++) {
+            __m256 lo = acc[0][i][t], hi = acc[1][i][t];
+            if (j < n) { /* the tail, lane by lane */
+                float a[16];
+                _mm256_storeu_ps(a, lo);
+                _mm256_storeu_ps(a + 8, hi);
+                for (int l = 0; j + l < n; l++) a[l] += load1(row + i * rb, j + l, kind) * ((const float *)xs[t])[j + l];
+                lo = _mm256_loadu_ps(a);
+                hi = _mm256_loadu_ps(a + 8);
+            }
+            const __m256 s8 = _mm256_add_ps(lo, hi);
+            const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+            const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            ys[t][r + i] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+        }
+}
+
+/* R rows x all T tokens, in groups of 3 (4 tokens as 2 + 2). */
+static inline __attribute__((always_inline)) void float_tokens(const uint8_t *row, size_t rb, int64_t r,
+                                                               int64_t n, const void *const *xs, int T,
+                                                               float *const *ys, int R, int kind) {
+    for (int t = 0; t < T;) {
+        const int left = T - t, g = left <= 3 ? left : left == 4 ? 2 : 3;
+        if (g == 3) float_block(row, rb, r, n, xs + t, ys + t, R, 3, kind);
+        else if (g == 2) float_block(row, rb, r, n, xs + t, ys + t, R, 2, kind);
+        else float_block(row, rb, r, n, xs + t, ys + t, R, 1, kind);
+        t += g;
+    }
+}
+
+/* Blocks of 2 rows, the last one alone; one token row by row (one stream of weights, which the
+ * hardware prefetcher follows: blocks of 4 rows read cold weights ~20% slower). */
+static inline __attribute__((always_inline)) void float_rows(ROWS_ARGS, int kind) {
+    int64_t r = r0;
+    if (T > 1)
+        for (; r + 2 <= r1; r += 2) float_tokens(w + r * rb, rb, r, n, xs, T, ys, 2, kind);
+    for (; r < r1; r++) float_tokens(w + r * rb, rb, r, n, xs, T, ys, 1, kind);
+}
+
 #define Q4K_CALL(TT) q4_k_body(w, rb, r0, r1, n, xs, TT, ys)
 #define Q6K_CALL(TT) q6_k_body(w, rb, r0, r1, n, xs, TT, ys)
 #define Q80_CALL(TT) b32_body(w, rb, r0, r1, n, xs, TT, ys, F_Q8_0)
 #define Q40_CALL(TT) b32_body(w, rb, r0, r1, n, xs, TT, ys, F_Q4_0)
 #define MX_CALL(TT) b32_body(w, rb, r0, r1, n, xs, TT, ys, F_MXFP4)
 #define MXO_CALL(TT) b32_body(w, rb, r0, r1, n, xs, TT, ys, F_MXFP4_OSS)
+static void f32_rows(ROWS_ARGS) { float_rows(w, rb, r0, r1, n, xs, T, ys, F_F32); }
+static void f16_rows(ROWS_ARGS) { float_rows(w, rb, r0, r1, n, xs, T, ys, F_F16); }
+static void bf16_rows(ROWS_ARGS) { float_rows(w, rb, r0, r1, n, xs, T, ys, F_BF16); }
 static void q4_k_int(ROWS_ARGS) { ONE_OR_T(Q4K_CALL); }
 static void q6_k_int(ROWS_ARGS) { ONE_OR_T(Q6K_CALL); }
 static void q8_0_int(ROWS_ARGS) { ONE_OR_T(Q80_CALL); }
@@ -156,6 +241,9 @@ static void mxfp4_int(ROWS_ARGS) { ONE_OR_T(MX_CALL); }
 static void mxfp4_oss_int(ROWS_ARGS) { ONE_OR_T(MXO_CALL); }
 
 void init_avx2(void) {
+    FMT[F_F32].exact = FMT[F_F32].integer = f32_rows;
+    FMT[F_F16].exact = FMT[F_F16].integer = f16_rows;
+    FMT[F_BF16].exact = FMT[F_BF16].integer = bf16_rows;
     FMT[F_Q4_K].integer = q4_k_int;
     FMT[F_Q6_K].integer = q6_k_int;
     FMT[F_Q8_0].integer = q8_0_int;

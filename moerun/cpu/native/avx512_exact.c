@@ -104,59 +104,105 @@ static inline __attribute__((always_inline)) void q6_k_exact_body(ROWS_ARGS) {
     }
 }
 
-/* Dense float rows, exact mode: fp32 multiply-adds in 16 lanes (two accumulators, even / odd 16s). */
+/* Dense float rows, exact mode. Each (row, token) sums in 16 lanes with two accumulators, a0 taking
+ * elements 32k .. 32k + 15 and a1 32k + 16 .. 32k + 31 (k in order), the n % 32 tail in order as
+ * scalars, then y = reduce(a0 + a1) + tail: the same operations whatever T and however rows and
+ * tokens are grouped below. */
 static inline __m512 load16(const uint8_t *row, int64_t j, int kind) {
     if (kind == F_F32) return _mm512_loadu_ps((const float *)row + j);
     __m256i h = _mm256_loadu_si256((const __m256i *)(row + 2 * j));
     if (kind == F_F16) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    /* bf16: word k to the top half of lane k, zeros below (one vpermw, not a widen and a shift) */
+    const __m512i to_top = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0,
+                                            5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, to_top, _mm512_castsi256_si512(h)));
 }
 
-static inline __attribute__((always_inline)) void float_rows_group(ROWS_ARGS, int kind) {
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * rb;
-        __m512 a0[MAX_T], a1[MAX_T];
-        for (int t = 0; t < T; t++) a0[t] = a1[t] = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 32 <= n; j += 32) {
-            __m512 v0 = load16(row, j, kind), v1 = load16(row, j + 16, kind);
-            for (int t = 0; t < T; t++) {
-                const float *x = (const float *)xs[t] + j;
-                a0[t] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x), a0[t]);
-                a1[t] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + 16), a1[t]);
+static inline float load1(const uint8_t *row, int64_t j, int kind) {
+    float v;
+    if (kind == F_F32) memcpy(&v, row + 4 * j, 4);
+    else if (kind == F_F16) v = f16_to_f32(rd16(row + 2 * j));
+    else {
+        uint32_t bits = (uint32_t)rd16(row + 2 * j) << 16;
+        memcpy(&v, &bits, 4);
+    }
+    return v;
+}
+
+/* R rows from `row` (rb bytes apart) x G tokens (R, G <= 4, 2 R G + R + 1 <= 32 zmm): 2 R G
+ * accumulators in registers; per 16 elements each weight vector is loaded (and widened) once for the
+ * G tokens, each x vector once for the R rows. Meanwhile the rows at `next` are prefetched into L2,
+ * as far along as this block's. */
+static inline __attribute__((always_inline)) void float_block(const uint8_t *row, size_t rb, int64_t r,
+                                                              int64_t n, const void *const *xs,
+                                                              float *const *ys, const uint8_t *next, int R,
+                                                              int G, int kind) {
+    const int es = kind == F_F32 ? 4 : 2;
+    __m512 acc[2][4][4]; /* [even / odd 16 elements][row][token] */
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < R; i++)
+            for (int t = 0; t < G; t++) acc[h][i][t] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        for (int i = 0; i < R; i++)
+            for (int b = 0; b < 32 * es; b += 64) _mm_prefetch((const char *)next + i * rb + j * es + b, _MM_HINT_T1);
+        for (int h = 0; h < 2; h++) {
+            __m512 v[4];
+            for (int i = 0; i < R; i++) v[i] = load16(row + i * rb, j + 16 * h, kind);
+            for (int t = 0; t < G; t++) {
+                __m512 x = _mm512_loadu_ps((const float *)xs[t] + j + 16 * h);
+                __asm__("" : "+v"(x)); /* one load for the R rows, not a memory operand per multiply-add */
+                for (int i = 0; i < R; i++) acc[h][i][t] = _mm512_fmadd_ps(v[i], x, acc[h][i][t]);
             }
         }
-        float tail[MAX_T];
-        for (int t = 0; t < T; t++) tail[t] = 0;
-        for (; j < n; j++) { /* n % 32 elements, in order */
-            float v;
-            if (kind == F_F32) memcpy(&v, row + 4 * j, 4);
-            else if (kind == F_F16) v = f16_to_f32(rd16(row + 2 * j));
-            else {
-                uint32_t bits = (uint32_t)rd16(row + 2 * j) << 16;
-                memcpy(&v, &bits, 4);
-            }
-            for (int t = 0; t < T; t++) tail[t] += v * ((const float *)xs[t])[j];
+    }
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < G; t++) {
+            float tail = 0;
+            for (int64_t k = j; k < n; k++) tail += load1(row + i * rb, k, kind) * ((const float *)xs[t])[k];
+            ys[t][r + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i][t], acc[1][i][t])) + tail;
         }
-        for (int t = 0; t < T; t++) ys[t][r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t])) + tail[t];
+}
+
+/* Tokens in the next group of at most G, `left` to go: never a lone token unless T is 1 (with G = 3,
+ * 4 goes as 2 + 2; with G = 4, 5 as 3 + 2). */
+static inline int token_group(int left, int G) {
+    if (left <= G) return left;
+    return G == 3 && left == 4 ? 2 : G == 4 && left == 5 ? 3 : G;
+}
+
+/* R rows x all T tokens, group by group: the rows stay in L1 meanwhile, and the first group
+ * prefetches the next block's rows. */
+static inline __attribute__((always_inline)) void float_tokens(const uint8_t *row, size_t rb, int64_t r,
+                                                               int64_t n, const void *const *xs, int T,
+                                                               float *const *ys, const uint8_t *next, int R,
+                                                               int G, int kind) {
+    for (int t = 0; t < T;) {
+        const int g = token_group(T - t, G);
+        if (g == 4) float_block(row, rb, r, n, xs + t, ys + t, next, R, 4, kind);
+        else if (g == 3) float_block(row, rb, r, n, xs + t, ys + t, next, R, 3, kind);
+        else if (g == 2) float_block(row, rb, r, n, xs + t, ys + t, next, R, 2, kind);
+        else float_block(row, rb, r, n, xs + t, ys + t, next, R, 1, kind);
+        next = row; /* (lines in L1 already: cheap) */
+        t += g;
     }
 }
 
-/* More than one token: row by row (the row stays in L1), tokens in groups of up to 4 whose
- * accumulators stay in registers. Each (row, token) sums exactly as with T == 1. */
+/* Blocks of R rows (the last (r1 - r0) % R one by one), each times every token. */
+static inline __attribute__((always_inline)) void float_rows_rg(ROWS_ARGS, int R, int G, int kind) {
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+        const uint8_t *next = w + (r + 2 * R <= r1 ? r + R : r) * rb;
+        float_tokens(w + r * rb, rb, r, n, xs, T, ys, next, R, G, kind);
+    }
+    for (; r < r1; r++) float_tokens(w + r * rb, rb, r, n, xs, T, ys, w + r * rb, 1, G, kind);
+}
+
+/* A multiple of 4 tokens: blocks of 3 rows x 4 tokens; else 4 rows x 3 tokens (a last 4 as 2 + 2,
+ * one token as 4 x 1). Either way 12 multiply-adds per 7 vector loads. */
 static inline __attribute__((always_inline)) void float_rows(ROWS_ARGS, int kind) {
-    if (T == 1) {
-        float_rows_group(w, rb, r0, r1, n, xs, 1, ys, kind);
-        return;
-    }
-    for (int64_t r = r0; r < r1; r++)
-        for (int t0 = 0; t0 < T; t0 += 4) {
-            const int g = T - t0 < 4 ? T - t0 : 4;
-            if (g == 4) float_rows_group(w, rb, r, r + 1, n, xs + t0, 4, ys + t0, kind);
-            else if (g == 3) float_rows_group(w, rb, r, r + 1, n, xs + t0, 3, ys + t0, kind);
-            else if (g == 2) float_rows_group(w, rb, r, r + 1, n, xs + t0, 2, ys + t0, kind);
-            else float_rows_group(w, rb, r, r + 1, n, xs + t0, 1, ys + t0, kind);
-        }
+    if (T % 4 == 0) float_rows_rg(w, rb, r0, r1, n, xs, T, ys, 3, 4, kind);
+    else float_rows_rg(w, rb, r0, r1, n, xs, T, ys, 4, 3, kind);
 }
 
 #define F32_CALL(TT) float_rows(w, rb, r0, r1, n, xs, TT, ys, F_F32)

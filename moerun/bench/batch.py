@@ -13,9 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moerun.bench.model import build_pair, generated_run
-from moerun.moe.backends import resolve_backend
-from moerun.quant.formats import COMPUTE_DTYPES
+from moerun.bench.model import generated_run, logged_pair
 
 
 def run_batch_bench(
@@ -30,10 +28,7 @@ def run_batch_bench(
     backend: str = "auto",
     log: Callable[[str], None] = lambda s: None,
 ) -> dict:
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = resolve_backend(backend, torch.device(device))
-    log(f"building a random {layers}-layer OLMoE-shaped model in {dtype} on {device} ({backend} backend)")
-    peer, ours = build_pair(layers, COMPUTE_DTYPES[dtype], shape, device, backend)
+    peer, ours, device, backend = logged_pair(layers, dtype, shape, device, backend, log)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, peer.config.vocab_size, (max(sizes), prompt_tokens), generator=gen)
     ours.warm_up()

@@ -96,6 +96,27 @@ def build_pair(
     return peer, MoEModel(model_config, tensors, dtype=dtype, device=device, backend=backend)
 
 
+def logged_pair(
+    layers: int,
+    dtype: str,
+    shape: dict | None,
+    device: str | None,
+    backend: str,
+    log: Callable[[str], None],
+    generated: str = "olmoe",
+):
+    """build_pair for a benchmark: the device (default cuda when there is one) and backend resolved,
+    what is built said through `log` -> (transformers model, MoEModel, device, backend)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = resolve_backend(backend, torch.device(device))
+    log(
+        f"building a random {layers}-layer {generated}-shaped model in {dtype} on {device} "
+        f"({backend} backend; moerun and transformers share it)"
+    )
+    peer, ours = build_pair(layers, COMPUTE_DTYPES[dtype], shape, device, backend, generated)
+    return peer, ours, device, backend
+
+
 def generated_run(
     layers: int,
     dtype: str,
@@ -132,13 +153,7 @@ def run_model_bench(
     from transformers import DynamicCache
 
     torch_dtype = COMPUTE_DTYPES[dtype]
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = resolve_backend(backend, torch.device(device))
-    log(
-        f"building a random {layers}-layer {generated}-shaped model in {dtype} on {device} "
-        f"({backend} backend; moerun and transformers share it)"
-    )
-    peer, ours = build_pair(layers, torch_dtype, shape, device, backend, generated)
+    peer, ours, device, backend = logged_pair(layers, dtype, shape, device, backend, log, generated)
     vocab = peer.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (1, prompt_tokens), generator=gen).to(device)

@@ -17,9 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moerun.bench.model import build_pair, generated_run
-from moerun.moe.backends import resolve_backend
-from moerun.quant.formats import COMPUTE_DTYPES
+from moerun.bench.model import generated_run, logged_pair
 
 
 def _stream_one(http, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
@@ -88,10 +86,7 @@ def run_serve_bench(
 
     from moerun.serve.server import start
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = resolve_backend(backend, torch.device(device))
-    log(f"building a random {layers}-layer OLMoE-shaped model in {dtype} on {device} ({backend} backend)")
-    peer, model = build_pair(layers, COMPUTE_DTYPES[dtype], shape, device, backend)
+    peer, model, device, backend = logged_pair(layers, dtype, shape, device, backend, log)
     vocab = peer.config.vocab_size
     del peer
     model.warm_up()

@@ -24,7 +24,17 @@ PROMPT = IDS[0, :6].tolist()
 TIMEOUT_S = 20
 
 
-def _rank(rank: int, world: int, init: str, path: str, out: str, die_at: int | None, backend: str) -> None:
+def _rank(
+    rank: int,
+    world: int,
+    init: str,
+    path: str,
+    out: str,
+    die_at: int | None,
+    backend: str,
+    collective: str,
+    options: dict,
+) -> None:
     """One rank: join the group, load its share, compute logits and a greedy generation, save them."""
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -33,9 +43,13 @@ def _rank(rank: int, world: int, init: str, path: str, out: str, die_at: int | N
     )  # fmt: skip
     result = {}
     try:
-        ep = ExpertParallel(timeout_s=TIMEOUT_S)
-        model = moerun.load(path, dtype=torch.float32, backend=backend, expert_parallel=ep)
+        ep = ExpertParallel(timeout_s=TIMEOUT_S, collective=collective)
+        model = moerun.load(path, dtype=torch.float32, backend=backend, expert_parallel=ep, **options)
         result["held"] = [int(m.experts.gate_up.shape[0]) for m in model.mlps if hasattr(m, "experts")]
+        if model.expert_cache is not None:  # streamed: note every expert the rank's store reads
+            store, result["read"] = model.expert_cache.store, set()
+            read_into = store.read_into
+            store.read_into = lambda key, dests: result["read"].add(key[1]) or read_into(key, dests)
         result["logits"] = model.logits(IDS)
         tokens = []
         for i, token in enumerate(model.generate(PROMPT, 8)):
@@ -43,7 +57,7 @@ def _rank(rank: int, world: int, init: str, path: str, out: str, die_at: int | N
                 os._exit(3)  # this rank dies mid-generation
             tokens.append(token.id)
         result["tokens"] = tokens
-        result["stats"] = model.stats()["expert_parallel"]
+        result["stats"] = {**model.stats()["expert_parallel"], "offload": model.stats().get("offload")}
     except ExpertParallelError as e:
         result["error"] = str(e)
         result["error_at"] = time.monotonic()
@@ -52,12 +66,23 @@ def _rank(rank: int, world: int, init: str, path: str, out: str, die_at: int | N
         dist.destroy_process_group()
 
 
-def _run(path, world: int, tmp_path, die_at: int | None = None, backend: str = "auto") -> list[dict]:
+def _run(
+    path,
+    world: int,
+    tmp_path,
+    die_at: int | None = None,
+    backend: str = "auto",
+    collective: str = "all_to_all",
+    options: dict | None = None,
+) -> list[dict]:
     init, out = tmp_path / f"init-{world}-{time.monotonic_ns()}", tmp_path / f"out-{world}"
     out.mkdir(exist_ok=True)
     context = multiprocessing.get_context("spawn")
     ranks = [
-        context.Process(target=_rank, args=(r, world, str(init), str(path), str(out), die_at, backend))
+        context.Process(
+            target=_rank,
+            args=(r, world, str(init), str(path), str(out), die_at, backend, collective, options or {}),
+        )
         for r in range(world)
     ]
     for p in ranks:
@@ -97,10 +122,16 @@ TOLERANCE = {"torch": 0.0, "auto": 1e-6}
 
 
 @pytest.mark.parametrize(
-    "world, backend",
-    [(2, "torch"), (3, "torch"), (2, "auto"), pytest.param(3, "auto", marks=pytest.mark.slow)],
+    "world, backend, collective",
+    [
+        (2, "torch", "all_to_all"),
+        (3, "torch", "all_to_all"),
+        (3, "torch", "all_reduce"),
+        (2, "auto", "all_to_all"),
+        pytest.param(3, "auto", "all_to_all", marks=pytest.mark.slow),
+    ],
 )
-def test_ranks_give_one_process_s_logits_and_tokens(checkpoint, world, backend, tmp_path):
+def test_ranks_give_one_process_s_logits_and_tokens(checkpoint, world, backend, collective, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs: a GEMM's bits may depend on its threads
     try:
@@ -110,7 +141,7 @@ def test_ranks_give_one_process_s_logits_and_tokens(checkpoint, world, backend, 
     finally:
         torch.set_num_threads(threads)
     experts = alone.config.moe.num_experts
-    results = _run(checkpoint, world, tmp_path, backend=backend)
+    results = _run(checkpoint, world, tmp_path, backend=backend, collective=collective)
     for rank, r in enumerate(results):
         assert "error" not in r, r.get("error")
         rel = ((r["logits"] - logits).abs().max() / logits.abs().max()).item()
@@ -118,12 +149,42 @@ def test_ranks_give_one_process_s_logits_and_tokens(checkpoint, world, backend, 
         assert r["tokens"] == tokens
         share = ExpertShard(rank, world, experts)
         assert set(r["held"]) == {share.stop - share.start}  # its share of every MoE layer, no more
-        assert r["stats"]["exchanges"] > 0 and r["stats"]["bytes"] > 0
+        assert r["stats"]["exchanges"] > 0 and r["stats"]["sent_bytes"] > 0 and r["stats"]["steps"] > 0
     # every expert held by exactly one rank
     assert (
         sum(ExpertShard(r, world, experts).stop - ExpertShard(r, world, experts).start for r in range(world))
         == experts
     )
+
+
+@pytest.mark.parametrize("name, backend", [("olmoe", "torch"), ("olmoe-gguf-q4_k", "auto")])
+def test_each_rank_streams_its_own_experts_through_its_cache(name, backend, tmp_path):
+    """expert_cache_gb under expert parallelism: each rank's own experts through its own cache (too
+    small for all of them, prefetching the next layer's), the logits and tokens of one process with
+    every expert resident, and no rank reading another's experts from the file."""
+    path = CHECKPOINTS[name](tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = moerun.load(path, dtype=torch.float32, backend=backend)
+        logits = alone.logits(IDS)
+        tokens = [t.id for t in alone.generate(PROMPT, 8)]
+    finally:
+        torch.set_num_threads(threads)
+    moe = next(m for m in alone.mlps if hasattr(m, "experts"))
+    slots = moe.spec.top_k + 1  # of every layer's, fewer than a rank holds
+    budget_gb = slots * moe.experts.bytes_per_expert() * sum(alone.config.moe_layers) / 2**30
+    options = {"expert_cache_gb": budget_gb, "prefetch_k": 2}
+    world, experts = 2, moe.spec.num_experts
+    results = _run(path, world, tmp_path, backend=backend, options=options)
+    for rank, r in enumerate(results):
+        assert "error" not in r, r.get("error")
+        rel = ((r["logits"] - logits).abs().max() / logits.abs().max()).item()
+        assert rel <= TOLERANCE[backend], (rank, rel)
+        assert r["tokens"] == tokens
+        share = ExpertShard(rank, world, experts)
+        assert r["read"] and r["read"] <= set(share.owned), (rank, r["read"])
+        assert r["stats"]["offload"]["total"]["misses"] > 0
 
 
 def test_a_rank_that_dies_stops_the_others_with_a_clear_error(tmp_path):
@@ -224,5 +285,18 @@ def test_the_expert_parallel_bench_runs_both_sides(tmp_path):
         assert p.exitcode == 0
     first, second = (torch.load(tmp_path / f"bench-{r}.pt", weights_only=False) for r in range(2))
     assert first["placement"] == "rank 0 of 2: experts 0-3 of 8" and second["placement"].startswith("rank 1")
-    assert first["single_decode_tok_s"] > 0 and first["decode_tok_s"] > 0 and 0 < first["exchange_share"] < 1
-    assert "one process" in first["table"] and "single_decode_tok_s" not in second
+    assert first["single_decode_tok_s"] > 0 and "single_decode_tok_s" not in second
+    for collective in ("all_to_all", "all_reduce"):
+        figures = first["collectives"][collective]
+        assert figures["decode_tok_s"] > 0 and figures["prefill_tok_s"] > 0
+        for phase in ("prefill_step", "decode_step"):
+            assert figures[phase]["sent_bytes"] > 0 and figures[phase]["exchange_ms"] > 0
+        assert collective in first["table"]
+    # a decode step of one token has top_k rows of H fp32 a layer, each computed by one rank and sent
+    # by it to the other: the two ranks' all-to-all bytes add up to every row once
+    from hf_models import TINY_OLMOE
+
+    every_row = 2 * TINY_OLMOE["num_experts_per_tok"] * TINY_OLMOE["hidden_size"] * 4  # 2 layers
+    sent = [r["collectives"]["all_to_all"]["decode_step"]["sent_bytes"] for r in (first, second)]
+    assert sum(sent) == every_row
+    assert "one process" in first["table"]

@@ -1,7 +1,8 @@
 """`torchrun --nproc-per-node W -m moerun bench --model --expert-parallel`: the generated
 OLMoE-shaped model (moerun.bench.model's weights, the same seed on every rank) run expert-parallel
 over the W processes, against one process in the same run (rank 0 alone, the others waiting):
-prefill and decode tok/s, and the exchange's share of a step (its milliseconds over the step's)."""
+prefill and decode tok/s with each exchange collective (all-to-all and all-reduce, alternated round
+by round), and per step the bytes a rank sends, the exchange's and its own experts' milliseconds."""
 
 from __future__ import annotations
 
@@ -16,27 +17,73 @@ from moerun.bench.model import GENERATED, build_pair
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.decoder.model import MoEModel
 from moerun.distributed import ExpertParallel
+from moerun.distributed.expert_parallel import COLLECTIVES, StepFigures
 from moerun.families import family
 from moerun.moe.backends import resolve_backend
 from moerun.quant.formats import COMPUTE_DTYPES
 
 
+def _prefill(model: MoEModel, ids: torch.Tensor) -> float:
+    start = time.perf_counter()
+    model.logits(ids)
+    return time.perf_counter() - start
+
+
+def _decode(model: MoEModel, ids: torch.Tensor, steps: list[int]) -> list[float]:
+    """Seconds of each decode step after the first, following a prefill of `ids`."""
+    cache = model.new_cache(1, ids.shape[1] + len(steps))
+    model.forward(ids, cache)
+    seconds = []
+    for i, token in enumerate(steps):
+        start = time.perf_counter()
+        model.hidden_logits(model.forward(torch.tensor([[token]]), cache)[0, -1])
+        if i:
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
 def _timings(model: MoEModel, ids: torch.Tensor, steps: list[int], repeats: int) -> tuple[float, float]:
-    """(prefill seconds of `ids`, median seconds of one decode step after it)."""
-    prefill, decode = [], []
+    """(median prefill seconds of `ids`, median seconds of one decode step after it)."""
+    with torch.inference_mode():
+        prefill = [_prefill(model, ids) for _ in range(repeats)]
+        decode = [s for _ in range(repeats) for s in _decode(model, ids, steps)]
+    return statistics.median(prefill), statistics.median(decode)
+
+
+def _phase(figures: list[StepFigures]) -> dict:
+    """Median per-step figures of one phase (prefill or decode) on this rank."""
+    return {
+        "sent_bytes": int(statistics.median(f.sent_bytes for f in figures)),
+        "exchange_ms": statistics.median(f.exchange_ms for f in figures),
+        "expert_ms": statistics.median(f.expert_ms for f in figures),
+    }
+
+
+def _parallel_timings(
+    model: MoEModel, ep: ExpertParallel, ids: torch.Tensor, steps: list[int], repeats: int
+) -> dict:
+    """Per collective: prefill and decode seconds (medians) and per-step figures, the collectives
+    alternated round by round so that the machine's drift falls on both."""
+    runs = {c: {"prefill": [], "decode": [], "prefill_steps": [], "decode_steps": []} for c in COLLECTIVES}
     with torch.inference_mode():
         for _ in range(repeats):
-            start = time.perf_counter()
-            model.logits(ids)
-            prefill.append(time.perf_counter() - start)
-        cache = model.new_cache(1, ids.shape[1] + len(steps))
-        model.forward(ids, cache)
-        for i, token in enumerate(steps):
-            start = time.perf_counter()
-            model.hidden_logits(model.forward(torch.tensor([[token]]), cache)[0, -1])
-            if i:
-                decode.append(time.perf_counter() - start)
-    return statistics.median(prefill), statistics.median(decode)
+            for collective, run in runs.items():
+                ep.collective = collective
+                dist.barrier()
+                run["prefill"].append(_prefill(model, ids))
+                run["prefill_steps"].append(ep.stats.last)
+                run["decode"] += _decode(model, ids, steps)
+                run["decode_steps"].append(ep.stats.last)
+    ep.collective = COLLECTIVES[0]
+    return {
+        c: {
+            "prefill_tok_s": ids.shape[1] / statistics.median(run["prefill"]),
+            "decode_tok_s": 1 / statistics.median(run["decode"]),
+            "prefill_step": _phase(run["prefill_steps"]),
+            "decode_step": _phase(run["decode_steps"]),
+        }
+        for c, run in runs.items()
+    }
 
 
 def run_expert_parallel_bench(
@@ -66,12 +113,7 @@ def run_expert_parallel_bench(
         log("one process (rank 0 alone)")
         single = _timings(alone, ids, steps, repeats)
     dist.barrier()
-    log(f"{ep.world} processes, expert-parallel")
-    before = ep.stats.ms, ep.stats.calls
-    start = time.perf_counter()
-    parallel = _timings(sharded, ids, steps, repeats)
-    wall_ms = 1e3 * (time.perf_counter() - start)
-    exchange_ms, exchanges = ep.stats.ms - before[0], ep.stats.calls - before[1]
+    log(f"{ep.world} processes, expert-parallel, collectives {' and '.join(COLLECTIVES)} alternated")
     result = {
         "model": f"olmoe-shaped, {layers} layers",
         "dtype": dtype,
@@ -80,11 +122,7 @@ def run_expert_parallel_bench(
         "threads": torch.get_num_threads(),
         "prompt_tokens": prompt_tokens,
         "placement": ep.placement(config.moe.num_experts),
-        "prefill_tok_s": prompt_tokens / parallel[0],
-        "decode_tok_s": 1 / parallel[1],
-        "exchange_share": exchange_ms / wall_ms,
-        "exchanges": exchanges,
-        "exchange_bytes_decode_step": config.moe.top_k * config.hidden * 4 * sum(config.moe_layers),
+        "collectives": _parallel_timings(sharded, ep, ids, steps, repeats),
     }
     if single is not None:
         result.update(single_prefill_tok_s=prompt_tokens / single[0], single_decode_tok_s=1 / single[1])
@@ -92,15 +130,22 @@ def run_expert_parallel_bench(
 
 
 def format_expert_parallel_table(r: dict) -> str:
+    nan = float("nan")
+    one_prefill, one_decode = r.get("single_prefill_tok_s", nan), r.get("single_decode_tok_s", nan)
     lines = [
         f"moerun bench --model --expert-parallel  {r['model']}  dtype={r['dtype']}  backend={r['backend']}  "
         f"world={r['world']}  threads/rank={r['threads']}",
-        f"  {r['placement']}",
-        f"  prefill T={r['prompt_tokens']}  {r['world']} ranks {r['prefill_tok_s']:8.1f} tok/s   "
-        f"one process {r.get('single_prefill_tok_s', float('nan')):8.1f} tok/s",
-        f"  decode        {r['world']} ranks {r['decode_tok_s']:8.1f} tok/s   "
-        f"one process {r.get('single_decode_tok_s', float('nan')):8.1f} tok/s",
-        f"  exchange: {100 * r['exchange_share']:.0f}% of the timed run ({r['exchanges']} all-reduces; "
-        f"{r['exchange_bytes_decode_step']} B of rows a decode step)",
+        f"  {r['placement']}   one process: prefill T={r['prompt_tokens']} "
+        f"{one_prefill:.1f} tok/s, decode {one_decode:.1f} tok/s",
+        f"  {'collective':<11} {'prefill tok/s':>13} {'x1':>6} {'decode tok/s':>13} {'x1':>6}   "
+        "per step on rank 0: sent KiB, exchange ms, own experts ms (prefill | decode)",
     ]
+    for c, f in r["collectives"].items():
+        p, d = f["prefill_step"], f["decode_step"]
+        lines.append(
+            f"  {c:<11} {f['prefill_tok_s']:13.1f} {f['prefill_tok_s'] / one_prefill:5.2f}x "
+            f"{f['decode_tok_s']:13.1f} {f['decode_tok_s'] / one_decode:5.2f}x   "
+            f"{p['sent_bytes'] / 1024:.0f} KiB, {p['exchange_ms']:.2f} ms, {p['expert_ms']:.2f} ms | "
+            f"{d['sent_bytes'] / 1024:.0f} KiB, {d['exchange_ms']:.2f} ms, {d['expert_ms']:.2f} ms"
+        )
     return "\n".join(lines)

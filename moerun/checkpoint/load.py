@@ -154,15 +154,12 @@ def load(
 
     `expert_parallel`: True (or a moerun.distributed.ExpertParallel) to hold only this rank's share
     of every MoE layer's experts, in the torch.distributed group torchrun started (joined here when
-    needed); every rank must load the same checkpoint with the same options, which is checked."""
+    needed); every rank must load the same checkpoint with the same options, which is checked. With
+    `expert_cache_gb` too, each rank streams its own experts through its own cache of that size."""
     if prefetch_k and expert_cache_gb is None:
         raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
     if host_cache_gb and expert_cache_gb is None:
         raise ValueError("host_cache_gb needs expert_cache_gb: the host tier serves the streamed experts.")
-    if expert_parallel and expert_cache_gb is not None:
-        raise ValueError(
-            "Expert parallelism does not stream experts yet: give expert_parallel or expert_cache_gb."
-        )
     if expert_parallel is True:
         expert_parallel = ExpertParallel.from_env(device=str(device))
     root = resolve_checkpoint(path)

@@ -275,8 +275,9 @@ def summary(stats: dict) -> str:
         parts[-1] += f" ({stats['decode_tok_s']:.1f} tok/s decode)"
     if ep := stats.get("expert_parallel"):
         parts.append(
-            f"expert parallel: {ep['placement']}, {ep['exchanges']} exchanges of expert rows "
-            f"({ep['bytes'] / 2**20:.1f} MiB, {ep['ms']:.0f} ms)"
+            f"expert parallel: {ep['placement']}; {ep['steps']} steps, {ep['exchanges']} {ep['collective']} "
+            f"exchanges of expert rows ({ep['sent_bytes'] / 2**20:.1f} MiB sent, {ep['exchange_ms']:.0f} ms) "
+            f"beside {ep['expert_ms']:.0f} ms on its own experts"
         )
     if stats.get("finish_reason") == "context":
         parts.append(f"stopped: the context of {stats['context']} positions is full")

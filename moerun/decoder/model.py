@@ -258,6 +258,8 @@ class MoEModel:
         x = self._embed(ids.to(self.device)).to(act_dtype)  # [B, T, H]
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
+        if self.expert_parallel is not None:
+            self.expert_parallel.begin_step(ids.numel())
         # each MoE layer's router-logit check, read back once for the whole pass rather than once a
         # layer (a host sync per layer would stall a GPU between layers)
         checks: list[RouterCheck] = []
@@ -326,7 +328,11 @@ class MoEModel:
         h = self._mlp_norm(layer, x).reshape(-1, moe.spec.hidden)
         logits = router_logits(h, moe.tensors["router.weight"], moe.tensors.get("router.bias"))  # [T, E]
         mass = logits.softmax(dim=-1).sum(dim=0)  # [E]
+        if moe.experts.owned is not None:  # expert parallelism: this rank's experts only
+            mass = mass[moe.experts.owned]
         top = mass.topk(min(self.prefetch_k, mass.numel())).indices.tolist()
+        if moe.experts.owned is not None:
+            top = [moe.experts.owned[i] for i in top]
         self.expert_cache.prefetch([(moe.name, e) for e in top])
 
     def hidden_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -397,7 +403,8 @@ class MoEModel:
 
     def stats(self) -> dict:
         """Figures of the last generation (see moerun.generate.Generator.stats); with expert
-        parallelism also this rank's placement and its exchanges (bytes, milliseconds)."""
+        parallelism also this rank's placement and, summed over its steps and for the last one, the
+        bytes it sent in exchanges, their milliseconds and its own experts' milliseconds."""
         run = self.generator.stats()
         if self.expert_parallel is not None:
             ep = self.expert_parallel
@@ -405,6 +412,7 @@ class MoEModel:
                 "rank": ep.rank,
                 "world": ep.world,
                 "placement": ep.placement(self.config.moe.num_experts),
+                "collective": ep.collective,
                 **ep.stats.as_dict(),
             }
         return run

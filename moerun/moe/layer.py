@@ -160,9 +160,7 @@ class MoELayer:
         With `parallel`, only this rank's share of the experts is taken from `tensors` (the rest of
         a mapped file is never read)."""
         check_tensors(spec, tensors, name)
-        if parallel is not None:
-            if stream is not None:
-                raise ValueError("Expert parallelism does not stream experts yet; drop expert_cache_gb.")
+        if parallel is not None:  # streamed: the cut stand-ins; the store reads only the owned experts
             tensors = _share(tensors, parallel.shard(spec.num_experts))
         dtype = dtype or _compute_dtype(tensors)
         placed = {}
@@ -254,7 +252,7 @@ class MoELayer:
             trace.router_figures(logits, ids, weights, spec.num_experts)
         self._route_ms = 1e3 * (time.perf_counter() - route_start)
         if self.experts.stream is not None:  # the host stage: the step's experts into cache slots
-            self._fetch(torch.unique(ids).tolist(), after_fetch)
+            self._fetch(self.owned_of(torch.unique(ids).tolist()), after_fetch)
         if self.parallel is not None:
             out = self._parallel_experts(x, ids, weights, trace)
         elif x.shape[0] == 1:
@@ -285,18 +283,22 @@ class MoELayer:
     def _parallel_experts(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace
     ) -> torch.Tensor:
-        """Expert parallelism: the rows of this rank's experts, exchanged so every rank has every
-        row, then each token's rows summed in plan order -> [T, H] fp32."""
+        """Expert parallelism: the rows of this rank's experts (one contiguous span of the plan's),
+        exchanged so every rank has every row, then each token's rows summed in plan order -> [T, H]
+        fp32."""
         # expert by expert (torch's or the native kernels'); a grouped-GEMM backend: torch's rows
         backend = self.batch_backend if self.batch_backend.STREAMS_PREFILL else torch_backend
         with trace.stage("plan", x.device):
             plan = torch_backend.batch_plan(ids, weights, self.spec.num_experts)
+        start = time.perf_counter()
         with trace.stage("experts", x.device):
             rows = backend.expert_rows(
                 x, plan, self.experts, self.spec.activation, self.workspace, self.options, self.experts.owned
             )  # [T*k, H] fp32, zero where another rank's experts are
+        self.parallel.record_experts(1e3 * (time.perf_counter() - start))
         with trace.stage("exchange", x.device):
-            self.parallel.exchange(rows, self.name)
+            spans = self.parallel.spans(plan.offsets.tolist(), self.spec.num_experts)
+            self.parallel.exchange(rows, spans, self.name)
         with trace.stage("combine", x.device):
             return torch_backend.combine(rows, plan, self.workspace)
 
@@ -338,6 +340,11 @@ class MoELayer:
             integer = self.options.int8_on_cpu(self.dtype)
             out = out + backend.shared_expert(h[None], t, spec.activation, self.options, integer)[0]
         x += out
+
+    def owned_of(self, experts: list[int]) -> list[int]:
+        """Those of `experts` this process computes: all of them, or with expert parallelism its own."""
+        owned = self.experts.owned
+        return experts if owned is None else [e for e in experts if owned[0] <= e <= owned[-1]]
 
     def _fetch(self, experts: list[int], after_fetch: Callable[[], None] | None) -> None:
         """Streaming: announce the step's experts (ascending) to the cache; the first group loads."""

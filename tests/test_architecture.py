@@ -40,7 +40,15 @@ ALLOWED = {
     "perplexity.py": {"decoder"},
     "distributed": {"settings.py"},
     "checkpoint": {
-        "decoder", "families", "loader", "moe", "offload", "quant", "text", "settings.py", "distributed",
+        "decoder",
+        "families",
+        "loader",
+        "moe",
+        "offload",
+        "quant",
+        "text",
+        "settings.py",
+        "distributed",
     },  # fmt: skip
     "export": {"checkpoint", "decoder", "families", "loader", "quant", "text"},
     "bench": {

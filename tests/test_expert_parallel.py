@@ -104,6 +104,26 @@ def _run(
     ]
 
 
+def _one_process(path, backend: str):
+    """(model, logits of IDS, greedy tokens after PROMPT) in one process, one thread as a rank runs
+    (a GEMM's bits may depend on its threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = moerun.load(path, dtype=torch.float32, backend=backend)
+        return alone, alone.logits(IDS), [t.id for t in alone.generate(PROMPT, 8)]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_rank(rank: int, r: dict, logits: torch.Tensor, tokens: list[int], backend: str) -> None:
+    """A rank's logits within TOLERANCE of one process's and the same greedy tokens."""
+    assert "error" not in r, r.get("error")
+    rel = ((r["logits"] - logits).abs().max() / logits.abs().max()).item()
+    assert rel <= TOLERANCE[backend], (rank, rel)
+    assert r["tokens"] == tokens
+
+
 CHECKPOINTS = {
     "olmoe": lambda d: save_model(make_model("olmoe"), d / "olmoe"),
     "qwen3_moe": lambda d: save_model(make_model("qwen3_moe"), d / "qwen3"),
@@ -140,21 +160,11 @@ TOLERANCE = {"torch": 0.0, "auto": 1e-6}
     ],
 )
 def test_ranks_give_one_process_s_logits_and_tokens(checkpoint, world, backend, collective, tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank runs: a GEMM's bits may depend on its threads
-    try:
-        alone = moerun.load(checkpoint, dtype=torch.float32, backend=backend)
-        logits = alone.logits(IDS)
-        tokens = [t.id for t in alone.generate(PROMPT, 8)]
-    finally:
-        torch.set_num_threads(threads)
+    alone, logits, tokens = _one_process(checkpoint, backend)
     experts = alone.config.moe.num_experts
     results = _run(checkpoint, world, tmp_path, backend=backend, collective=collective)
     for rank, r in enumerate(results):
-        assert "error" not in r, r.get("error")
-        rel = ((r["logits"] - logits).abs().max() / logits.abs().max()).item()
-        assert rel <= TOLERANCE[backend], (rank, rel)
-        assert r["tokens"] == tokens
+        _check_rank(rank, r, logits, tokens, backend)
         share = ExpertShard(rank, world, experts)
         assert set(r["held"]) == {share.stop - share.start}  # its share of every MoE layer, no more
         assert r["stats"]["exchanges"] > 0 and r["stats"]["sent_bytes"] > 0 and r["stats"]["steps"] > 0
@@ -171,14 +181,7 @@ def test_each_rank_streams_its_own_experts_through_its_cache(name, backend, tmp_
     small for all of them, prefetching the next layer's), the logits and tokens of one process with
     every expert resident, and no rank reading another's experts from the file."""
     path = CHECKPOINTS[name](tmp_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = moerun.load(path, dtype=torch.float32, backend=backend)
-        logits = alone.logits(IDS)
-        tokens = [t.id for t in alone.generate(PROMPT, 8)]
-    finally:
-        torch.set_num_threads(threads)
+    alone, logits, tokens = _one_process(path, backend)
     moe = next(m for m in alone.mlps if hasattr(m, "experts"))
     slots = moe.spec.top_k + 1  # of every layer's, fewer than a rank holds
     budget_gb = slots * moe.experts.bytes_per_expert() * sum(alone.config.moe_layers) / 2**30
@@ -186,10 +189,7 @@ def test_each_rank_streams_its_own_experts_through_its_cache(name, backend, tmp_
     world, experts = 2, moe.spec.num_experts
     results = _run(path, world, tmp_path, backend=backend, options=options)
     for rank, r in enumerate(results):
-        assert "error" not in r, r.get("error")
-        rel = ((r["logits"] - logits).abs().max() / logits.abs().max()).item()
-        assert rel <= TOLERANCE[backend], (rank, rel)
-        assert r["tokens"] == tokens
+        _check_rank(rank, r, logits, tokens, backend)
         share = ExpertShard(rank, world, experts)
         assert r["read"] and r["read"] <= set(share.owned), (rank, r["read"])
         assert r["stats"]["offload"]["total"]["misses"] > 0

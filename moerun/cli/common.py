@@ -279,6 +279,8 @@ def summary(stats: dict) -> str:
             f"exchanges of expert rows ({ep['sent_bytes'] / 2**20:.1f} MiB sent, {ep['exchange_ms']:.0f} ms) "
             f"beside {ep['expert_ms']:.0f} ms on its own experts"
         )
+        if ep.get("rss_mb") is not None:
+            parts[-1] += f", {ep['rss_mb']:.0f} MiB resident"
     if stats.get("finish_reason") == "context":
         parts.append(f"stopped: the context of {stats['context']} positions is full")
     if offload := stats.get("offload"):

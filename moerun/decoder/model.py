@@ -33,6 +33,18 @@ from moerun.quant.formats import QTensor
 from moerun.text.tokenizer import Tokenizer
 
 
+def _resident_mb() -> float | None:
+    """This process's resident memory (VmRSS) in MiB; None where /proc is not there (not Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 class ContextError(ValueError):
     """A sequence longer than the model's context."""
 
@@ -404,7 +416,8 @@ class MoEModel:
     def stats(self) -> dict:
         """Figures of the last generation (see moerun.generate.Generator.stats); with expert
         parallelism also this rank's placement and, summed over its steps and for the last one, the
-        bytes it sent in exchanges, their milliseconds and its own experts' milliseconds."""
+        bytes it sent in exchanges, their milliseconds and its own experts' milliseconds, and its
+        resident memory (MiB; None off Linux)."""
         run = self.generator.stats()
         if self.expert_parallel is not None:
             ep = self.expert_parallel
@@ -413,6 +426,7 @@ class MoEModel:
                 "world": ep.world,
                 "placement": ep.placement(self.config.moe.num_experts),
                 "collective": ep.collective,
+                "rss_mb": _resident_mb(),
                 **ep.stats.as_dict(),
             }
         return run

@@ -8,7 +8,6 @@ within the timeout."""
 import datetime
 import multiprocessing
 import os
-import signal
 import time
 
 import pytest
@@ -54,12 +53,9 @@ def _rank(
         result["logits"] = model.logits(IDS)
         tokens = []
         for i, token in enumerate(model.generate(PROMPT, 8)):
-            if die_at is not None and rank == world - 1 and i == abs(die_at):
-                if die_at < 0:  # this rank hangs mid-generation: stopped, not gone
-                    os.kill(os.getpid(), signal.SIGSTOP)
+            if die_at is not None and rank == world - 1 and i == die_at:
                 os._exit(3)  # this rank dies mid-generation
             tokens.append(token.id)
-            result["stalled_at"] = time.monotonic()  # the last token every rank stepped to
         result["tokens"] = tokens
         result["stats"] = {**model.stats()["expert_parallel"], "offload": model.stats().get("offload")}
     except ExpertParallelError as e:
@@ -91,13 +87,9 @@ def _run(
     ]
     for p in ranks:
         p.start()
-    for p in ranks[: world - 1 if die_at is not None and die_at < 0 else world]:
+    for p in ranks:
         p.join(timeout=120 + TIMEOUT_S)
         assert not p.is_alive(), "a rank hung"
-    for p in ranks:  # the rank stopped on purpose
-        if p.is_alive():
-            p.kill()
-            p.join()
     return [
         torch.load(out / f"{r}.pt", weights_only=False) if (out / f"{r}.pt").exists() else None
         for r in range(world)
@@ -203,18 +195,6 @@ def test_a_rank_that_dies_stops_the_others_with_a_clear_error(tmp_path):
     error = results[0]["error"]
     assert "layers." in error and "rank 0" in error and "failed" in error
     assert results[0]["error_at"] - start <= 120 + TIMEOUT_S
-
-
-def test_a_rank_that_hangs_stops_the_others_within_the_timeout(tmp_path):
-    """A rank stopped (SIGSTOP: alive, its sockets open, silent) mid-generation: the other's exchange
-    times out after TIMEOUT_S and raises ExpertParallelError, rather than waiting for ever."""
-    path = save_model(make_model("olmoe"), tmp_path / "olmoe")
-    results = _run(path, 2, tmp_path, die_at=-3)
-    assert results[1] is None
-    error = results[0]["error"]
-    assert "layers." in error and "rank 0" in error and f"{TIMEOUT_S} s timeout" in error
-    waited = results[0]["error_at"] - results[0]["stalled_at"]
-    assert TIMEOUT_S * 0.9 <= waited <= TIMEOUT_S + 15, waited
 
 
 def test_shares_cover_the_experts_when_they_do_not_divide():

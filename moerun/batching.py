@@ -197,10 +197,12 @@ class Generation:
         start = self.cache.length
         return self.seen[start : start + limit]
 
-    def pick(self, logits: torch.Tensor) -> list[Token]:
-        """The next token from its logits [V] -> the tokens this releases (finishing the sequence
+    def pick(self, logits: torch.Tensor, next_id: int | None = None) -> list[Token]:
+        """The next token from its logits [V] (or `next_id`, their argmax where the sampler takes
+        nothing else: `sampler.argmax_only`) -> the tokens this releases (finishing the sequence
         when it is an end-of-sequence id, completes a stop string, or the last there is room for)."""
-        next_id = self.sampler(logits, self.seen, self.seen[len(self.request.prompt) :])
+        if next_id is None:
+            next_id = self.sampler(logits, self.seen, self.seen[len(self.request.prompt) :])
         self.seen.append(next_id)
         token = Token(next_id)
         if self.request.logprobs:
@@ -274,9 +276,16 @@ class Batch:
         out = []
         if ready:
             rows = hidden[0] if len(stepping) == 1 else hidden[torch.tensor(ready)]  # [H] or [S', H]
-            logits = self.model.hidden_logits(rows)
-            for j, i in enumerate(ready):
-                out.append((stepping[i], stepping[i].pick(logits if logits.dim() == 1 else logits[j])))
+            logits = self.model.hidden_logits(rows)  # [V] or [S', V] fp32
+            if logits.dim() == 1:
+                out.append((stepping[ready[0]], stepping[ready[0]].pick(logits)))
+            else:
+                # the greedy sequences' tokens from one argmax call (each row's the same as its own)
+                greedy = [stepping[i].sampler.argmax_only for i in ready]
+                argmaxes = logits.argmax(dim=-1).tolist() if any(greedy) else None
+                for j, i in enumerate(ready):
+                    picked = argmaxes[j] if greedy[j] else None
+                    out.append((stepping[i], stepping[i].pick(logits[j], picked)))
         elapsed = time.perf_counter() - start
         for s, was_decoding in zip(stepping, decoded, strict=True):
             s.stats["decode_s" if was_decoding else "prefill_s"] += elapsed

@@ -146,6 +146,13 @@ class Sampler:
         else:
             self.generator.seed()
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the next token is the argmax of the logits as they come (greedy, no penalty), so
+        a batch may take every such sequence's argmax in one call."""
+        p = self.params
+        return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == p.frequency_penalty == 0
+
     def __call__(self, logits: torch.Tensor, seen: Sequence[int] = (), output: Sequence[int] = ()) -> int:
         """logits [V] -> the next token id; `seen`: the ids of the prompt and the output so far,
         `output`: the output's alone (the presence and frequency penalties count only those)."""

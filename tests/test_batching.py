@@ -45,6 +45,20 @@ def test_a_batch_gives_each_prompt_its_tokens_alone(family_model):
     assert stats["new_tokens"] == sum(budgets) and stats["steps"] == max(budgets)
 
 
+def test_greedy_penalised_and_sampled_sequences_share_a_batch(family_model):
+    """The batch takes plain greedy sequences' tokens from one argmax over its rows, the others
+    from their own samplers: side by side, each gets its tokens alone."""
+    options = [{}, dict(repetition_penalty=1.5), dict(temperature=0.8, seed=4), dict(presence_penalty=1.0)]
+    prompts = _prompts(len(options), seed=2)
+    batch = Batch(family_model)
+    runs = [batch.add(Request.make(family_model, p, 6, **o)) for p, o in zip(prompts, options, strict=True)]
+    while batch.running:
+        batch.step()
+    assert [r.seen[len(p) :] for r, p in zip(runs, prompts, strict=True)] == [
+        _alone(family_model, p, 6, **o) for p, o in zip(prompts, options, strict=True)
+    ]
+
+
 def test_the_ragged_pass_gives_each_sequence_its_own_hidden_states(family_model):
     """forward_sequences over sequences at different positions (one reading a prompt, others one
     token deep in theirs) against each sequence's own forward, within fp32 rounding."""

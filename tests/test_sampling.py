@@ -122,3 +122,27 @@ def test_presence_and_frequency_penalties_follow_openais_formula():
     peaked = torch.zeros(12)
     peaked[3], peaked[5] = 3.0, 2.0
     assert sampler(peaked, seen=[1, 3], output=[]) == 3 and sampler(peaked, seen=[1, 3], output=[3]) == 5
+
+
+@pytest.mark.parametrize(
+    "options, argmax_only",
+    [
+        ({}, True),
+        (dict(seed=3), True),
+        (dict(repetition_penalty=1.2), False),
+        (dict(presence_penalty=0.5), False),
+        (dict(frequency_penalty=-0.5), False),
+        (dict(temperature=0.7), False),
+    ],
+)
+def test_argmax_only_means_the_sampler_picks_each_rows_argmax(options, argmax_only):
+    """A batch takes `argmax_only` samplers' tokens from one argmax over all its rows: for those,
+    each row's argmax must be what the sampler itself picks, ties (the first index) included."""
+    sampler = Sampler(SamplingParams(**options))
+    assert sampler.argmax_only is argmax_only
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    logits[2, [7, 30]] = logits[2].max() + 1  # a tie: the lower index wins
+    if argmax_only:
+        seen = logits.argmax(dim=-1).tolist()  # a penalty would move these
+        picked = [sampler(row, seen, seen) for row in logits]
+        assert picked == logits.argmax(dim=-1).tolist() and picked[2] == 7

@@ -168,6 +168,8 @@ def test_serve_bench_streams_every_token_asked_for():
     )
     assert [(row["clients"], row["requests"], row["tokens"]) for row in r["rows"]] == [(1, 1, 3), (2, 2, 6)]
     assert all(row["ttft_max_s"] > 0 and row["tok_s"] > 0 for row in r["rows"])
+    # the scheduler stepped for part of each phase's wall time, never more than all of it
+    assert all(row["step_tok_s"] >= row["tok_s"] and 0 < row["busy"] <= 1 for row in r["rows"])
     assert "TTFT" in format_serve_table(r)
 
 

@@ -3,8 +3,9 @@ model (moerun.bench.model's weights; prompts as token ids). For each number of c
 C threads of a client process (apart from the server's, as real clients are) each stream
 `requests_per_client` completions (`stream: true`, greedy, `new_tokens` each) from a server with
 `--parallel` = max(C); measured: aggregate tok/s (every client's tokens over the phase's wall time),
-time to first token (median and worst), and the scaling over C = 1. The peer is moerun's own single
-stream in the same run."""
+time to first token (median and worst), the scaling over C = 1, and the scheduler's own rate (tokens
+over its seconds in model steps) with the share of the wall time it stepped. The peer is moerun's
+own single stream in the same run."""
 
 from __future__ import annotations
 
@@ -105,9 +106,12 @@ def run_serve_bench(
             child = context.Process(
                 target=_clients, args=(server.url, prompts, c, requests_per_client, new_tokens, queue)
             )
+            counters = server.state.scheduler.counters
+            before = (counters.generated_tokens, counters.step_s)
             child.start()
             wall, results, errors = queue.get(timeout=1800)
             child.join()
+            stepped = counters.generated_tokens - before[0], counters.step_s - before[1]
             if errors:
                 raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
             ttft = [r[0] for r in results]
@@ -120,6 +124,11 @@ def run_serve_bench(
                     "per_stream_tok_s": statistics.median(r[2] / r[1] for r in results),
                     "ttft_median_s": statistics.median(ttft),
                     "ttft_max_s": max(ttft),
+                    # the scheduler's own figures: tokens over the seconds in model steps (prefill
+                    # included), and the share of the wall time the model stepped (the rest: HTTP,
+                    # clients, waiting for requests)
+                    "step_tok_s": stepped[0] / stepped[1] if stepped[1] else 0.0,
+                    "busy": stepped[1] / wall,
                 }
             )
     finally:
@@ -134,12 +143,14 @@ def format_serve_table(r: dict) -> str:
         f"moerun bench --serve  {r['model']}  dtype={r['dtype']}  device={r['device']}  "
         f"backend={r['backend']}  threads={r['threads']}  ({r['prompt_tokens']}-token prompts, "
         f"{r['new_tokens']} new tokens, streamed)",
-        "  clients  requests  aggregate tok/s  per stream tok/s  TTFT median  TTFT max  scaling",
+        "  clients  requests  aggregate tok/s  per stream tok/s  TTFT median  TTFT max  scaling"
+        "  step tok/s  busy",
     ]
     for row in r["rows"]:
         lines.append(
             f"  {row['clients']:7}  {row['requests']:8}  {row['tok_s']:15.1f}  "
             f"{row['per_stream_tok_s']:16.1f}  "
             f"{row['ttft_median_s'] * 1e3:9.0f} ms  {row['ttft_max_s'] * 1e3:6.0f} ms  {row['scaling']:6.2f}x"
+            f"  {row['step_tok_s']:10.1f}  {row['busy']:4.0%}"
         )
     return "\n".join(lines)

@@ -184,7 +184,7 @@ class ExpertParallel:
 
     def exchange(self, rows: torch.Tensor, spans: list[tuple[int, int]], layer: str) -> None:
         """rows [T*k, H] hold this rank's span (`spans[rank]`) of a step's rows; afterwards they hold
-        every rank's, on every rank. With "all_reduce" the rows outside this rank's span must be zero."""
+        every rank's, on every rank (the rows outside its span may hold anything before)."""
         start = time.perf_counter()
         mine = spans[self.rank][1] - spans[self.rank][0]
         row_bytes = rows.shape[1] * rows.element_size()
@@ -195,7 +195,10 @@ class ExpertParallel:
                 outgoing = rows[first:stop].repeat(self.world, 1)  # the span, once for every rank
                 dist.all_to_all_single(rows, outgoing, counts, [mine] * self.world, group=self.group)
                 sent = (self.world - 1) * mine * row_bytes
-            else:
+            else:  # the sum of each row's one value and the other ranks' zeros
+                first, stop = spans[self.rank]
+                rows[:first].zero_()
+                rows[stop:].zero_()
                 dist.all_reduce(rows, group=self.group)
                 sent = 2 * (self.world - 1) * rows.numel() * rows.element_size() // self.world  # a ring's
         except Exception as e:  # gloo/NCCL: a peer closed the connection, or the timeout passed

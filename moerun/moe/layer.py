@@ -294,7 +294,7 @@ class MoELayer:
         with trace.stage("experts", x.device):
             rows = backend.expert_rows(
                 x, plan, self.experts, self.spec.activation, self.workspace, self.options, self.experts.owned
-            )  # [T*k, H] fp32, zero where another rank's experts are
+            )  # [T*k, H] fp32, this rank's span set (the exchange brings the rest)
         self.parallel.record_experts(1e3 * (time.perf_counter() - start))
         with trace.stage("exchange", x.device):
             spans = self.parallel.spans(plan.offsets.tolist(), self.spec.num_experts)
@@ -343,8 +343,10 @@ class MoELayer:
 
     def owned_of(self, experts: list[int]) -> list[int]:
         """Those of `experts` this process computes: all of them, or with expert parallelism its own."""
-        owned = self.experts.owned
-        return experts if owned is None else [e for e in experts if owned[0] <= e <= owned[-1]]
+        if self.parallel is None:
+            return experts
+        share = self.parallel.shard(self.spec.num_experts)
+        return [e for e in experts if share.start <= e < share.stop]
 
     def _fetch(self, experts: list[int], after_fetch: Callable[[], None] | None) -> None:
         """Streaming: announce the step's experts (ascending) to the cache; the first group loads."""

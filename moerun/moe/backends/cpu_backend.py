@@ -241,7 +241,7 @@ def expert_rows(
     only: Collection[int] | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order (a
-    view of `ws`, valid until the next call); `only`: just these experts' rows, the others zero."""
+    view of `ws`, valid until the next call); `only`: just these experts' rows, the others left unset."""
     integer = options.int8_on_cpu(experts.dtype)
 
     def forward(rows: torch.Tensor, e: int) -> torch.Tensor:  # rows [R, H] -> [R, H]

@@ -43,7 +43,7 @@ def expert_rows(
 ) -> torch.Tensor:
     """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order
     (a view of `ws`, valid until the next call); `only`: compute just these experts' rows, the
-    others zero (expert parallelism: another rank computes them)."""
+    others left unset (expert parallelism: another rank computes them, the exchange brings them)."""
     return rows_by_expert(x, plan, ws, lambda rows, e: _expert_forward(rows, experts, e, act), only)
 
 
@@ -57,11 +57,9 @@ def rows_by_expert(
     """The batched experts stage, expert by expert: each expert e with rows computes
     forward(its gathered rows [R, H], e) -> [R, H], weighted by the rows' routing weights into
     [T*k, H] fp32 in plan order (a view of `ws`, valid until the next call). `only`: just those
-    experts, every other row zero."""
+    experts, every other row left unset."""
     num_rows = plan.order.numel()
     rows = ws.get("rows", (num_rows, x.shape[1]), torch.float32, x.device)
-    if only is not None:
-        rows.zero_()
     gathered = torch.index_select(
         x, 0, plan.row_tokens, out=ws.get("gathered", (num_rows, x.shape[1]), x.dtype, x.device)
     )  # [T*k, H]

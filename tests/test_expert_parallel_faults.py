@@ -4,6 +4,7 @@ the timeout with an error naming the layer; and a rank's resident memory is the 
 share of the experts, against the checkpoint's own tensor sizes, well below one process's."""
 
 import datetime
+import gc
 import math
 import multiprocessing
 import os
@@ -34,9 +35,13 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def _rank(rank: int, world: int, init: str, path: str, out: str, hang_at: int | None) -> None:
+def _rank(
+    rank: int, world: int, init: str, path: str, out: str, hang_at: int | None, warm: str | None
+) -> None:
     """One process: join the group (world > 1), load, generate, save what it saw. `hang_at`: the last
-    rank stops itself (SIGSTOP) after that many tokens, and stays stopped until the test kills it."""
+    rank stops itself (SIGSTOP) after that many tokens, and stays stopped until the test kills it.
+    `warm`: a tiny checkpoint loaded and dropped first, so that the modules a load imports and the
+    allocator's first arenas are in place before the measured load begins."""
     torch.set_num_threads(1)
     ep = None
     if world > 1:
@@ -47,6 +52,9 @@ def _rank(rank: int, world: int, init: str, path: str, out: str, hang_at: int | 
         ep = ExpertParallel(timeout_s=TIMEOUT_S)
     result = {}
     try:
+        if warm is not None:
+            moerun.load(warm, dtype=torch.float32, backend="torch")  # dropped at once
+            gc.collect()
         before = _status("VmRSS")
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")  # VmHWM restarts from the resident size now: the load's own peak
@@ -66,13 +74,15 @@ def _rank(rank: int, world: int, init: str, path: str, out: str, hang_at: int | 
         dist.destroy_process_group()
 
 
-def _run(path, world: int, out, hang_at: int | None = None) -> list[dict | None]:
+def _run(path, world: int, out, hang_at: int | None = None, warm=None) -> list[dict | None]:
     """The ranks, spawned; a rank still alive after the others end (the hung one) is killed."""
     out.mkdir()
     init = out / "init"
     context = multiprocessing.get_context("spawn")
     ranks = [
-        context.Process(target=_rank, args=(r, world, str(init), str(path), str(out), hang_at))
+        context.Process(
+            target=_rank, args=(r, world, str(init), str(path), str(out), hang_at, warm and str(warm))
+        )
         for r in range(world)
     ]
     for p in ranks:
@@ -120,6 +130,7 @@ def big_olmoe(tmp_path_factory):
     return {
         "fused": save_model(model, root / "fused", original_format=False),
         "per-expert": save_model(model, root / "per-expert"),
+        "warm": save_model(make_model("olmoe"), root / "warm"),
     }
 
 
@@ -154,8 +165,8 @@ def test_a_rank_holds_the_dense_part_and_its_share_of_the_experts(big_olmoe, lay
     path = big_olmoe[layout]
     dense, experts = _file_bytes(path)
     assert experts > 40 * dense
-    (alone,) = _run(path, 1, tmp_path / "alone")
-    ranks = _run(path, 2, tmp_path / "ranks")
+    (alone,) = _run(path, 1, tmp_path / "alone", warm=big_olmoe["warm"])
+    ranks = _run(path, 2, tmp_path / "ranks", warm=big_olmoe["warm"])
     assert abs(alone["grown"] - (dense + experts)) <= SLACK_MB * MIB, alone["grown"] / MIB
     for rank, r in enumerate(ranks):
         share = ExpertShard(rank, 2, BIG_OLMOE["num_experts"])

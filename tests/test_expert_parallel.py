@@ -1,6 +1,7 @@
 """Expert parallelism on torch.distributed (gloo, on loopback): 2 and 3 processes, each holding only
-its share of every MoE layer's experts, against one process on the same checkpoint: logits within
-1e-6 in fp32 (on the torch backend the same bits: the combine is the single process's ordered sum),
+its share of every MoE layer's experts, rank 0 running the model and the others serving their
+experts to it, against one process on the same checkpoint: logits within 1e-5 in fp32 (on the
+native kernels; on the torch backend the same bits: the combine is the single process's ordered sum),
 greedy tokens identical, for olmoe, qwen3_moe, gpt_oss and a q4_k GGUF file, experts not divisible
 by the ranks; and a rank that dies mid-generation stops the others with an error naming the layer,
 within the timeout."""
@@ -30,12 +31,15 @@ def _rank(
     init: str,
     path: str,
     out: str,
-    die_at: int | None,
+    die: tuple[int, int] | None,
     backend: str,
     collective: str,
     options: dict,
 ) -> None:
-    """One rank: join the group, load its share, compute logits and a greedy generation, save them."""
+    """One rank: join the group, load its share; rank 0 computes logits and a greedy generation,
+    the others serve their experts to it; each saves what it saw. `die` (rank, token): that rank
+    dies when rank 0 has generated that many tokens (rank 0 itself; another rank at the step
+    after: the prompt's step and the logits' first)."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init}", rank=rank, world_size=world,
@@ -50,13 +54,19 @@ def _rank(
             store, result["read"] = model.expert_cache.store, set()
             read_into = store.read_into
             store.read_into = lambda key, dests: result["read"].add(key[1]) or read_into(key, dests)
-        result["logits"] = model.logits(IDS)
-        tokens = []
-        for i, token in enumerate(model.generate(PROMPT, 8)):
-            if die_at is not None and rank == world - 1 and i == die_at:
-                os._exit(3)  # this rank dies mid-generation
-            tokens.append(token.id)
-        result["tokens"] = tokens
+        if rank == 0:
+            result["logits"] = model.logits(IDS)
+            tokens = []
+            for i, token in enumerate(model.generate(PROMPT, 8)):
+                if die == (0, i):
+                    os._exit(3)  # rank 0 dies mid-generation
+                tokens.append(token.id)
+            result["tokens"] = tokens
+            model.close()  # the others' serve_experts returns
+        else:
+            if die is not None and die[0] == rank:
+                _die_in_step(ep, die[1] + 2)  # the logits' pass, the prompt's, then one a token
+            model.serve_experts()
         result["stats"] = {**model.stats()["expert_parallel"], "offload": model.stats().get("offload")}
     except ExpertParallelError as e:
         result["error"] = str(e)
@@ -66,11 +76,25 @@ def _rank(
         dist.destroy_process_group()
 
 
+def _die_in_step(ep: ExpertParallel, step: int) -> None:
+    """This rank dies once it has received rank 0's `step`-th step (counting from 1): rank 0 is then
+    in that step's first MoE layer."""
+    next_step = ep.next_step
+
+    def dying():
+        announced = next_step()
+        if ep.stats.steps >= step:
+            os._exit(3)
+        return announced
+
+    ep.next_step = dying
+
+
 def _run(
     path,
     world: int,
     tmp_path,
-    die_at: int | None = None,
+    die: tuple[int, int] | None = None,
     backend: str = "auto",
     collective: str = "all_to_all",
     options: dict | None = None,
@@ -81,7 +105,7 @@ def _run(
     ranks = [
         context.Process(
             target=_rank,
-            args=(r, world, str(init), str(path), str(out), die_at, backend, collective, options or {}),
+            args=(r, world, str(init), str(path), str(out), die, backend, collective, options or {}),
         )
         for r in range(world)
     ]
@@ -109,11 +133,14 @@ def _one_process(path, backend: str):
 
 
 def _check_rank(rank: int, r: dict, logits: torch.Tensor, tokens: list[int], backend: str) -> None:
-    """A rank's logits within TOLERANCE of one process's and the same greedy tokens."""
+    """Rank 0's logits within TOLERANCE of one process's and the same greedy tokens; every rank
+    without an error, its steps and exchanges counted."""
     assert "error" not in r, r.get("error")
-    rel = ((r["logits"] - logits).abs().max() / logits.abs().max()).item()
-    assert rel <= TOLERANCE[backend], (rank, rel)
-    assert r["tokens"] == tokens
+    assert r["stats"]["steps"] > 0 and r["stats"]["exchanges"] > 0
+    if rank == 0:
+        rel = ((r["logits"] - logits).abs().max() / logits.abs().max()).item()
+        assert rel <= TOLERANCE[backend], (rank, rel)
+        assert r["tokens"] == tokens
 
 
 CHECKPOINTS = {
@@ -138,7 +165,8 @@ def checkpoint(request, tmp_path_factory):
 # the torch backend's batched path is the ranks' own (rows, then the ordered combine): the same bits
 # (given the same threads per GEMM); on the native kernels one process sums a step's experts inside
 # one fused call, the ranks through rows and the combine, which rounds differently in the last bits
-TOLERANCE = {"torch": 0.0, "auto": 1e-6}
+# (q4_k with int8 activations, 2 layers: 1.3e-6 relative on a Xeon with AVX-512, under 1e-6 on Zen 4)
+TOLERANCE = {"torch": 0.0, "auto": 1e-5}
 
 
 @pytest.mark.parametrize(
@@ -146,7 +174,7 @@ TOLERANCE = {"torch": 0.0, "auto": 1e-6}
     [
         (2, "torch", "all_to_all"),
         (3, "torch", "all_to_all"),
-        (3, "torch", "all_reduce"),
+        (3, "torch", "reduce"),
         (2, "auto", "all_to_all"),
         pytest.param(3, "auto", "all_to_all", marks=pytest.mark.slow),
     ],
@@ -159,7 +187,13 @@ def test_ranks_give_one_process_s_logits_and_tokens(checkpoint, world, backend, 
         _check_rank(rank, r, logits, tokens, backend)
         share = ExpertShard(rank, world, experts)
         assert set(r["held"]) == {share.stop - share.start}  # its share of every MoE layer, no more
-        assert r["stats"]["exchanges"] > 0 and r["stats"]["sent_bytes"] > 0 and r["stats"]["steps"] > 0
+        assert r["stats"]["steps"] == results[0]["stats"]["steps"]  # it served every pass of rank 0's
+    # rank 0 sent every layer's inputs [T, H + 2k] fp32 to each other rank, and received their rows
+    moe = next(m for m in alone.mlps if hasattr(m, "experts"))
+    inputs = results[0]["stats"]["tokens"] * (moe.spec.hidden + 2 * moe.spec.top_k) * 4
+    assert results[0]["stats"]["sent_bytes"] == (world - 1) * sum(alone.config.moe_layers) * inputs
+    if collective == "all_to_all":
+        assert results[0]["stats"]["received_bytes"] == sum(r["stats"]["sent_bytes"] for r in results[1:])
     # every expert held by exactly one rank
     assert (
         sum(ExpertShard(r, world, experts).stop - ExpertShard(r, world, experts).start for r in range(world))
@@ -187,14 +221,19 @@ def test_each_rank_streams_its_own_experts_through_its_cache(name, backend, tmp_
         assert r["stats"]["offload"]["total"]["misses"] > 0
 
 
-def test_a_rank_that_dies_stops_the_others_with_a_clear_error(tmp_path):
+@pytest.mark.parametrize("dead", [1, 0])
+def test_a_rank_that_dies_stops_the_others_with_a_clear_error(dead, tmp_path):
+    """A rank that dies mid-generation (another rank, or rank 0 which runs the model): the other
+    stops with an error naming it and the layer or step it was in, soon (its connection closed)."""
     path = save_model(make_model("olmoe"), tmp_path / "olmoe")
     start = time.monotonic()
-    results = _run(path, 2, tmp_path, die_at=3)
-    assert results[1] is None  # it died before saving anything
-    error = results[0]["error"]
-    assert "layers." in error and "rank 0" in error and "failed" in error
-    assert results[0]["error_at"] - start <= 120 + TIMEOUT_S
+    results = _run(path, 2, tmp_path, die=(dead, 3))
+    assert results[dead] is None  # it died before saving anything
+    error = results[1 - dead]["error"]
+    assert f"rank {dead} stopped answering" in error and f"rank {1 - dead} of 2 could not" in error, error
+    if dead == 1:
+        assert "layers." in error, error  # rank 0 was in a MoE layer of the step
+    assert results[1 - dead]["error_at"] - start <= 120 + TIMEOUT_S
 
 
 def test_shares_cover_the_experts_when_they_do_not_divide():
@@ -269,7 +308,8 @@ def _bench_rank(rank: int, world: int, init: str, out: str) -> None:
     r = run_expert_parallel_bench(
         layers=2, dtype="fp32", prompt_tokens=8, decode_steps=3, repeats=1, shape=TINY_OLMOE
     )
-    r["table"] = format_expert_parallel_table(r)
+    if rank == 0:
+        r["table"] = format_expert_parallel_table(r)
     torch.save(r, os.path.join(out, f"bench-{rank}.pt"))
     dist.destroy_process_group()
 
@@ -285,18 +325,20 @@ def test_the_expert_parallel_bench_runs_both_sides(tmp_path):
         assert p.exitcode == 0
     first, second = (torch.load(tmp_path / f"bench-{r}.pt", weights_only=False) for r in range(2))
     assert first["placement"] == "rank 0 of 2: experts 0-3 of 8" and second["placement"].startswith("rank 1")
-    assert first["single_decode_tok_s"] > 0 and "single_decode_tok_s" not in second
-    for collective in ("all_to_all", "all_reduce"):
-        figures = first["collectives"][collective]
-        assert figures["decode_tok_s"] > 0 and figures["prefill_tok_s"] > 0
-        for phase in ("prefill_step", "decode_step"):
-            assert figures[phase]["sent_bytes"] > 0 and figures[phase]["exchange_ms"] > 0
-        assert collective in first["table"]
-    # a decode step of one token has top_k rows of H fp32 a layer, each computed by one rank and sent
-    # by it to the other: the two ranks' all-to-all bytes add up to every row once
+    assert first["single_decode_tok_s"] > 0 and "collectives" not in second
+    assert second["served"]["steps"] == first["steps"]  # rank 1 served every pass rank 0 ran
     from hf_models import TINY_OLMOE
 
-    every_row = 2 * TINY_OLMOE["num_experts_per_tok"] * TINY_OLMOE["hidden_size"] * 4  # 2 layers
-    sent = [r["collectives"]["all_to_all"]["decode_step"]["sent_bytes"] for r in (first, second)]
-    assert sum(sent) == every_row
+    # a decode step of one token: rank 0 sends each of the 2 layers' inputs [1, H + 2k] fp32 to rank 1
+    # and receives rank 1's rows of it, at most top_k of H fp32 a layer
+    inputs = 2 * (TINY_OLMOE["hidden_size"] + 2 * TINY_OLMOE["num_experts_per_tok"]) * 4
+    every_row = 2 * TINY_OLMOE["num_experts_per_tok"] * TINY_OLMOE["hidden_size"] * 4
+    for collective in ("all_to_all", "reduce"):
+        figures = first["collectives"][collective]
+        assert figures["decode_tok_s"] > 0 and figures["prefill_tok_s"] > 0
+        assert figures["decode_step"]["sent_bytes"] == inputs
+        assert 0 < figures["decode_step"]["received_bytes"] <= every_row or collective == "reduce"
+        for phase in ("prefill_step", "decode_step"):
+            assert figures[phase]["exchange_ms"] > 0
+        assert collective in first["table"]
     assert "one process" in first["table"]

@@ -1,8 +1,10 @@
 """`torchrun --nproc-per-node W -m moerun bench --model --expert-parallel`: the generated
 OLMoE-shaped model (moerun.bench.model's weights, the same seed on every rank) run expert-parallel
-over the W processes, against one process in the same run (rank 0 alone, the others waiting):
-prefill and decode tok/s with each exchange collective (all-to-all and all-reduce, alternated round
-by round), and per step the bytes a rank sends, the exchange's and its own experts' milliseconds."""
+over the W processes (rank 0 runs it, the others serve their experts), against one process in the
+same run (rank 0 alone, the others waiting): prefill and decode tok/s with each collective bringing
+the rows back (all-to-all and reduce, alternated round by round), and per step on rank 0 the bytes
+it sends (the layers' inputs) and receives (the other ranks' rows), the milliseconds of those
+collectives and of its own experts."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from moerun.bench.model import GENERATED, build_pair
 from moerun.checkpoint.hf import canonical_tensors
@@ -51,9 +52,10 @@ def _timings(model: MoEModel, ids: torch.Tensor, steps: list[int], repeats: int)
 
 
 def _phase(figures: list[StepFigures]) -> dict:
-    """Median per-step figures of one phase (prefill or decode) on this rank."""
+    """Median per-step figures of one phase (prefill or decode) on rank 0."""
     return {
         "sent_bytes": int(statistics.median(f.sent_bytes for f in figures)),
+        "received_bytes": int(statistics.median(f.received_bytes for f in figures)),
         "exchange_ms": statistics.median(f.exchange_ms for f in figures),
         "expert_ms": statistics.median(f.expert_ms for f in figures),
     }
@@ -68,8 +70,7 @@ def _parallel_timings(
     with torch.inference_mode():
         for _ in range(repeats):
             for collective, run in runs.items():
-                ep.collective = collective
-                dist.barrier()
+                ep.collective = collective  # the others follow: each step says which
                 run["prefill"].append(_prefill(model, ids))
                 run["prefill_steps"].append(ep.stats.last)
                 run["decode"] += _decode(model, ids, steps)
@@ -108,12 +109,6 @@ def run_expert_parallel_bench(
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (1, prompt_tokens), generator=gen)
     steps = torch.randint(0, vocab, (decode_steps + 1,), generator=gen).tolist()
-    single = None
-    if ep.rank == 0:
-        log("one process (rank 0 alone)")
-        single = _timings(alone, ids, steps, repeats)
-    dist.barrier()
-    log(f"{ep.world} processes, expert-parallel, collectives {' and '.join(COLLECTIVES)} alternated")
     result = {
         "model": f"olmoe-shaped, {layers} layers",
         "dtype": dtype,
@@ -122,11 +117,25 @@ def run_expert_parallel_bench(
         "threads": torch.get_num_threads(),
         "prompt_tokens": prompt_tokens,
         "placement": ep.placement(config.moe.num_experts),
-        "collectives": _parallel_timings(sharded, ep, ids, steps, repeats),
     }
-    if single is not None:
-        result.update(single_prefill_tok_s=prompt_tokens / single[0], single_decode_tok_s=1 / single[1])
-    return result
+    if not ep.leads:
+        log("serving this rank's experts to rank 0")
+        sharded.serve_experts()
+        return {**result, "served": ep.stats.as_dict()}
+    log("one process (rank 0 alone)")
+    single = _timings(alone, ids, steps, repeats)
+    log(f"{ep.world} processes, expert-parallel, collectives {' and '.join(COLLECTIVES)} alternated")
+    result["collectives"] = _parallel_timings(sharded, ep, ids, steps, repeats)
+    sharded.close()  # the other ranks' serve_experts returns
+    result["steps"] = ep.stats.steps
+    return {**result, "single_prefill_tok_s": prompt_tokens / single[0], "single_decode_tok_s": 1 / single[1]}
+
+
+def _figures(step: dict) -> str:
+    return (
+        f"{step['sent_bytes'] / 1024:.0f} KiB, {step['received_bytes'] / 1024:.0f} KiB, "
+        f"{step['exchange_ms']:.2f} ms, {step['expert_ms']:.2f} ms"
+    )
 
 
 def format_expert_parallel_table(r: dict) -> str:
@@ -138,14 +147,13 @@ def format_expert_parallel_table(r: dict) -> str:
         f"  {r['placement']}   one process: prefill T={r['prompt_tokens']} "
         f"{one_prefill:.1f} tok/s, decode {one_decode:.1f} tok/s",
         f"  {'collective':<11} {'prefill tok/s':>13} {'x1':>6} {'decode tok/s':>13} {'x1':>6}   "
-        "per step on rank 0: sent KiB, exchange ms, own experts ms (prefill | decode)",
+        "per step on rank 0: inputs sent KiB, rows received KiB, their ms, own experts ms (prefill | decode)",
     ]
     for c, f in r["collectives"].items():
         p, d = f["prefill_step"], f["decode_step"]
         lines.append(
             f"  {c:<11} {f['prefill_tok_s']:13.1f} {f['prefill_tok_s'] / one_prefill:5.2f}x "
             f"{f['decode_tok_s']:13.1f} {f['decode_tok_s'] / one_decode:5.2f}x   "
-            f"{p['sent_bytes'] / 1024:.0f} KiB, {p['exchange_ms']:.2f} ms, {p['expert_ms']:.2f} ms | "
-            f"{d['sent_bytes'] / 1024:.0f} KiB, {d['exchange_ms']:.2f} ms, {d['expert_ms']:.2f} ms"
+            f"{_figures(p)} | {_figures(d)}"
         )
     return "\n".join(lines)

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             backend=args.backend,
             log=log,
         )
-        if results["placement"].startswith("rank 0 "):  # rank 0 alone prints
+        if "collectives" in results:  # rank 0 alone measures and prints
             print(json.dumps(results) if args.json else format_expert_parallel_table(results))
         return 0
     if args.serve is not None:

@@ -16,6 +16,7 @@ from moerun.cli.common import (
     add_model_arguments,
     generation_options,
     load_with_progress,
+    serve_experts_for_rank_0,
     summary,
 )
 
@@ -114,6 +115,8 @@ def _fit(model, messages: list[dict], kept: int, limit: int, err: TextIO) -> lis
 
 def chat_command(args: argparse.Namespace) -> int:
     generation_options(args, sys.stderr)  # the flags' values, checked before the model loads
+    if (status := serve_experts_for_rank_0(args)) is not None:
+        return status
     with contextlib.suppress(ImportError):  # not on every platform
         import readline  # noqa: F401  line editing and history for input()
     return run_chat(load_with_progress(args), args)

@@ -216,9 +216,14 @@ def expert_parallel(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "expert_parallel", False)) or _settings().world_size > 1
 
 
-def quiet_rank(model) -> bool:
-    """Expert parallelism: every rank but 0 keeps quiet (rank 0 prints the text and the figures)."""
-    return model.expert_parallel is not None and model.expert_parallel.rank != 0
+def serve_experts_for_rank_0(args: argparse.Namespace) -> int | None:
+    """Expert parallelism, every rank but 0: load this rank's share of the experts and compute them
+    for rank 0's forward passes until rank 0's command ends -> 0 then. None on rank 0, or without
+    expert parallelism: the command runs there (rank 0 alone prints, serves, measures)."""
+    if not expert_parallel(args) or _settings().rank == 0:
+        return None
+    load_with_progress(args).serve_experts()
+    return 0
 
 
 def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
@@ -227,7 +232,8 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
     import moerun
 
     err = err or sys.stderr
-    if expert_parallel(args) and _settings().rank != 0:  # rank 0 alone reports
+    other_rank = expert_parallel(args) and _settings().rank != 0
+    if other_rank:  # rank 0 alone reports
         err = io.StringIO()
     check_model_arguments(args)
     use_threads(args)
@@ -256,7 +262,7 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
     err.write(
         f"{erase}loaded {args.model} in {time.perf_counter() - start:.1f} s{' ' * 40 if terminal else ''}\n"
     )
-    if not args.no_warmup:
+    if not args.no_warmup and not other_rank:  # rank 0's warm-up passes warm the others too
         start = time.perf_counter()
         model.warm_up()  # kernels that compile on first use do it here, not in the timed run
         if (seconds := time.perf_counter() - start) >= 0.5:
@@ -276,7 +282,8 @@ def summary(stats: dict) -> str:
     if ep := stats.get("expert_parallel"):
         parts.append(
             f"expert parallel: {ep['placement']}; {ep['steps']} steps, {ep['exchanges']} {ep['collective']} "
-            f"exchanges of expert rows ({ep['sent_bytes'] / 2**20:.1f} MiB sent, {ep['exchange_ms']:.0f} ms) "
+            f"exchanges of expert rows ({ep['sent_bytes'] / 2**20:.1f} MiB sent, "
+            f"{ep.get('received_bytes', 0) / 2**20:.1f} MiB received, {ep['exchange_ms']:.0f} ms) "
             f"beside {ep['expert_ms']:.0f} ms on its own experts"
         )
         if ep.get("rss_mb") is not None:

@@ -5,7 +5,6 @@ are printed and the exit code is 130, as for any interrupted command."""
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 from typing import TextIO
@@ -16,8 +15,8 @@ from moerun.cli.common import (
     add_model_arguments,
     generation_options,
     load_with_progress,
-    quiet_rank,
     read_text,
+    serve_experts_for_rank_0,
     summary,
 )
 
@@ -110,12 +109,12 @@ def read_prompts(path: str) -> list[str]:
 def run_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     options = _check_arguments(args, err)
+    if (status := serve_experts_for_rank_0(args)) is not None:
+        return status
     if args.prompts_file is not None:
         return _run_batch(args, read_prompts(args.prompts_file), options, out, err)
     prompt = read_prompt(args)
     model = load_with_progress(args, err)
-    if quiet_rank(model):
-        out = err = io.StringIO()
     tokens = model.generate(_prompt_for_model(model, args, prompt), **options)
     generated = []
     try:
@@ -143,8 +142,6 @@ def _run_batch(args: argparse.Namespace, prompts: list[str], options: dict, out:
     """--prompts-file: every prompt in one batch; each completion after a header line (or one JSON
     record per prompt, in order, with --json); the batch's figures on stderr."""
     model = load_with_progress(args, err)
-    if quiet_rank(model):
-        out = err = io.StringIO()
     inputs = [_prompt_for_model(model, args, p) for p in prompts]
     outputs = model.generate(inputs, parallel=args.parallel, **options)
     stats = model.stats()

@@ -8,7 +8,13 @@ import json
 import sys
 from typing import TextIO
 
-from moerun.cli.common import add_ctx_size_argument, add_model_arguments, load_with_progress, read_text
+from moerun.cli.common import (
+    add_ctx_size_argument,
+    add_model_arguments,
+    load_with_progress,
+    read_text,
+    serve_experts_for_rank_0,
+)
 
 
 def add_parser(commands) -> None:
@@ -32,6 +38,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     if args.stride is not None and not 0 < args.stride <= (args.ctx_size or args.stride):
         raise ValueError(f"--stride must be in [1, --ctx-size], got {args.stride}.")
     text = read_text(args.file)
+    if (status := serve_experts_for_rank_0(args)) is not None:
+        return status
     model = load_with_progress(args, err)
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot score a text file.")

@@ -7,7 +7,12 @@ import io
 import sys
 from pathlib import Path
 
-from moerun.cli.common import add_model_arguments, check_model_arguments, load_with_progress
+from moerun.cli.common import (
+    add_model_arguments,
+    check_model_arguments,
+    load_with_progress,
+    serve_experts_for_rank_0,
+)
 
 
 def add_parser(commands) -> None:
@@ -48,6 +53,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}.")
     check_model_arguments(args)
+    if (status := serve_experts_for_rank_0(args)) is not None:  # rank 0 alone listens
+        return status
     from moerun.serve.server import _uvicorn, serve
 
     _uvicorn()  # the extra is there before anything loads

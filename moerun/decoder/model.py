@@ -270,8 +270,8 @@ class MoEModel:
         x = self._embed(ids.to(self.device)).to(act_dtype)  # [B, T, H]
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
-        if self.expert_parallel is not None:
-            self.expert_parallel.begin_step(ids.numel())
+        if self.expert_parallel is not None:  # the other ranks serve this pass's MoE layers
+            self.expert_parallel.begin_step(ids.numel(), act_dtype)
         # each MoE layer's router-logit check, read back once for the whole pass rather than once a
         # layer (a host sync per layer would stall a GPU between layers)
         checks: list[RouterCheck] = []
@@ -431,10 +431,31 @@ class MoEModel:
             }
         return run
 
+    def serve_experts(self) -> None:
+        """Expert parallelism, every rank but 0: compute this rank's experts for each forward pass
+        rank 0 runs (whatever drives it there: generate, a server, a benchmark), until rank 0 closes
+        its model or exits. Raises ExpertParallelError when rank 0 or another rank stops answering."""
+        ep = self.expert_parallel
+        if ep is None or ep.leads:
+            raise ValueError("serve_experts runs on the ranks other than 0 of an expert-parallel model.")
+        layers = [mlp for mlp, moe in zip(self.mlps, self.config.moe_layers, strict=True) if moe]
+        with torch.inference_mode():
+            while (step := ep.next_step()) is not None:
+                tokens, dtype = step
+                if self.expert_cache is not None:
+                    self.expert_cache.begin_step()
+                for layer in layers:
+                    layer.serve_step(tokens, dtype)
+                if self.expert_cache is not None:
+                    self.expert_cache.end_step()
+
     def close(self) -> None:
-        """Stop expert streaming's reader threads (waiting for reads in flight) and close its files."""
+        """Stop expert streaming's reader threads (waiting for reads in flight) and close its files;
+        with expert parallelism, on rank 0, release the other ranks (their serve_experts returns)."""
         if self.expert_cache is not None:
             self.expert_cache.close()
+        if self.expert_parallel is not None:
+            self.expert_parallel.finish()
 
     def check_ids(self, ids: torch.Tensor) -> None:
         length, V = ids.shape[-1], self.config.vocab_size

@@ -1,29 +1,35 @@
-"""Expert parallelism: which experts a rank owns, and the exchange of a MoE step's rows.
+"""Expert parallelism: which experts a rank owns, and how a step's work moves between the ranks.
 
 Placement: the E experts of every MoE layer are cut into W contiguous shares, the first E % W ranks
 taking one more (`ExpertShard`). A rank loads only its share from the checkpoint.
 
-A step: every rank holds every token (the dense part is replicated, and routing is computed
-identically everywhere), so nothing needs dispatching: each rank computes the weighted rows of the
-assignments routed to its own experts. A step's rows [T*k, H] are in plan order, grouped by expert
-ascending, and a rank's experts are contiguous, so its rows are one contiguous span of them. The
-exchange brings every rank every other rank's span (`exchange`); every rank then sums each token's
-rows in plan order, the single process's combine, so logits equal one process's.
+Rank 0 leads: it runs the model (the dense part, routing, the combine, sampling: whatever command
+or server drives it), and the other ranks serve their experts to it (`MoEModel.serve_experts`), so
+any driver runs expert-parallel, a server whose requests reach rank 0 alone included. A forward
+pass on rank 0 announces itself on a control group (`begin_step`: its tokens, activation dtype and
+collective); then at each MoE layer rank 0 sends the layer's normed hidden states with their
+routing (expert ids and weights, [T, H + 2k] fp32, exact for bf16 and fp32 activations) to every
+rank (`share_inputs`), each rank computes the weighted rows of the assignments routed to its own
+experts, and the rows come back to rank 0 (`exchange`), which sums each token's rows in plan order,
+the single process's combine, so its logits equal one process's. A step's rows [T*k, H] are in
+plan order, grouped by expert ascending, and a rank's experts are contiguous, so its rows are one
+contiguous span; rank 0's span comes first, so the others' spans fill the tail of its buffer.
 
-Two collectives do the exchange (`COLLECTIVES`): "all_to_all" (default), one all_to_all_single with
-uneven splits in which each rank sends its span to every other: (W-1)/W of the rows received, no
-zeros; "all_reduce", a sum of the whole [T*k, H] buffer, zero outside each rank's span (exact: each
-row is one value plus zeros), a ring sending ~2(W-1)/W of it. The collective alone, 2 gloo ranks
-over loopback, one thread each, H=2048, top-8 (docs/PERFORMANCE.md): at 1-8 tokens a step (decode)
-the all-to-all takes 0.34-0.58 ms against the all-reduce's 0.54-0.79 ms, at 128 tokens 4.9-6.3 ms
-against 6.6-6.8 ms, at 512 tokens 35-60 ms against 28 ms (gloo's all-to-all sends pair by pair, and
-the span is copied once per rank). Decode sizes decide, and on a network the all-to-all sends half
-the bytes: it is the default; `moerun bench --model --expert-parallel` measures both in one run.
+Two collectives bring the rows back (`COLLECTIVES`): "all_to_all" (default), one all_to_all_single
+with uneven splits in which every other rank sends its span to rank 0 (no zeros); "reduce", a sum
+into rank 0 of the whole [T*k, H] buffer, zero outside each rank's span (exact: each row is one
+value plus zeros). docs/PERFORMANCE.md has both measured; `moerun bench --model --expert-parallel`
+measures both in one run.
+
+Waiting: a step's collectives wait at most `timeout_s`; between steps the other ranks wait on the
+control group for up to IDLE_TIMEOUT (a server may sit idle). A collective that fails names the
+ranks that stopped answering (moerun.distributed.heartbeat).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import hashlib
 import time
@@ -32,14 +38,27 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moerun.distributed.heartbeat import Heartbeat
 from moerun.settings import TORCHRUN_KEYS, settings
 
 DEFAULT_TIMEOUT_S = 60.0
+IDLE_TIMEOUT = datetime.timedelta(days=30)  # the other ranks' wait for rank 0's next step
+# a step header on the control group: [kind, tokens, collective, activation dtype]
+_STEP, _FINISH = 1, 0
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _default_store():
+    """The key-value store the default group was set up with (None where torch keeps it hidden)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
 
 
 class ExpertParallelError(RuntimeError):
@@ -69,17 +88,19 @@ class ExpertShard:
         return list(range(self.start, self.stop))
 
 
-COLLECTIVES = ("all_to_all", "all_reduce")
+COLLECTIVES = ("all_to_all", "reduce")
 
 
 @dataclass
 class StepFigures:
-    """One forward pass on this rank, summed over its MoE layers: the bytes it sent in exchanges,
-    the exchanges' milliseconds, and its own experts' milliseconds."""
+    """One forward pass on this rank, summed over its MoE layers: the bytes it sent (rank 0: the
+    layers' inputs to every other rank; the others: their rows) and received (rank 0: the other
+    ranks' rows), the milliseconds of those collectives, and of its own experts."""
 
     tokens: int = 0
     exchanges: int = 0
     sent_bytes: int = 0
+    received_bytes: int = 0
     exchange_ms: float = 0.0
     expert_ms: float = 0.0
 
@@ -87,6 +108,7 @@ class StepFigures:
         self.tokens += other.tokens
         self.exchanges += other.exchanges
         self.sent_bytes += other.sent_bytes
+        self.received_bytes += other.received_bytes
         self.exchange_ms += other.exchange_ms
         self.expert_ms += other.expert_ms
 
@@ -95,6 +117,7 @@ class StepFigures:
             "tokens": self.tokens,
             "exchanges": self.exchanges,
             "sent_bytes": self.sent_bytes,
+            "received_bytes": self.received_bytes,
             "exchange_ms": round(self.exchange_ms, 3),
             "expert_ms": round(self.expert_ms, 3),
         }
@@ -124,7 +147,8 @@ class ExchangeStats:
 
 
 class ExpertParallel:
-    """This process's place in the expert-parallel group: rank, world size, timeout, the exchange."""
+    """This process's place in the expert-parallel group: rank, world size, timeout, the messages of
+    a step. Rank 0 leads (`leads`); see the module's docstring."""
 
     def __init__(self, group=None, timeout_s: float = DEFAULT_TIMEOUT_S, collective: str = "all_to_all"):
         if not dist.is_available() or not dist.is_initialized():
@@ -139,6 +163,16 @@ class ExpertParallel:
         self.timeout_s = timeout_s
         self.collective = collective
         self.stats = ExchangeStats()
+        self.leader = dist.get_global_rank(group, 0) if group is not None else 0
+        # step headers wait as long as a server may sit idle; gloo also for NCCL groups (a few ints)
+        self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.heartbeat = Heartbeat(_default_store(), dist.get_rank(), dist.get_world_size())
+        self.finished = False
+
+    @property
+    def leads(self) -> bool:
+        """Whether this is rank 0, which runs the model; the others serve their experts to it."""
+        return self.rank == 0
 
     @classmethod
     def from_env(
@@ -158,7 +192,9 @@ class ExpertParallel:
             # a group left to the interpreter's exit can abort it ("terminate called without an
             # active exception" from gloo's threads): the group joined here is left here
             atexit.register(_leave_group)
-        return cls(timeout_s=timeout_s, collective=collective)
+        ep = cls(timeout_s=timeout_s, collective=collective)
+        atexit.register(ep.finish)  # runs before _leave_group (atexit runs last registered first)
+        return ep
 
     def shard(self, num_experts: int) -> ExpertShard:
         return ExpertShard(self.rank, self.world, num_experts)
@@ -174,43 +210,148 @@ class ExpertParallel:
             for s in (ExpertShard(r, self.world, num_experts) for r in range(self.world))
         ]
 
-    def begin_step(self, tokens: int) -> None:
-        """A forward pass of `tokens` tokens starts: the figures that follow are its own."""
+    # rank 0's side of a step
+
+    def begin_step(self, tokens: int, dtype: torch.dtype) -> None:
+        """Rank 0: a forward pass of `tokens` tokens with activations in `dtype` starts; the other
+        ranks are told (they serve each of its MoE layers). The figures that follow are its own."""
+        if not self.leads:
+            raise ExpertParallelError(
+                f"rank {self.rank} serves its experts to rank 0, which runs the model: call "
+                "model.serve_experts() on every rank but 0."
+            )
+        if self.finished:
+            raise ExpertParallelError(
+                "rank 0 already released the other ranks (finish): load the model again."
+            )
+        header = torch.tensor([_STEP, tokens, COLLECTIVES.index(self.collective), _DTYPES.index(dtype)])
+        self._collective("announce the step", dist.broadcast, header, self.leader, group=self.control)
         self.stats.begin_step(tokens)
+
+    def share_inputs(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: str) -> None:
+        """Rank 0: a MoE layer's normed hidden states x [T, H] and routing (ids, weights [T, k]) to
+        every other rank."""
+        start = time.perf_counter()
+        packed = torch.cat([x.float(), ids.float(), weights.float()], dim=1).contiguous()  # [T, H+2k]
+        self._collective(
+            f"{layer}: send the layer's inputs", dist.broadcast, packed, self.leader, group=self.group
+        )
+        step = self.stats.last
+        step.sent_bytes += (self.world - 1) * packed.numel() * packed.element_size()
+        step.exchange_ms += 1e3 * (time.perf_counter() - start)
+
+    def finish(self) -> None:
+        """Rank 0: release the other ranks (their serve_experts returns); once, and only while the
+        group is there. Other ranks: nothing."""
+        if self.finished or not dist.is_initialized():
+            return
+        self.finished = True
+        self.heartbeat.stop()
+        if self.leads:
+            header = torch.tensor([_FINISH, 0, 0, 0])
+            with contextlib.suppress(Exception):  # the others are gone already: nothing to release
+                dist.broadcast(header, self.leader, group=self.control)
+
+    # the other ranks' side
+
+    def next_step(self) -> tuple[int, torch.dtype] | None:
+        """Another rank: wait for rank 0's next forward pass -> (its tokens, its activation dtype),
+        or None once rank 0 is finished."""
+        header = torch.empty(4, dtype=torch.int64)
+        self._collective(
+            "wait for rank 0's next step", dist.broadcast, header, self.leader, group=self.control
+        )
+        kind, tokens, collective, dtype = header.tolist()
+        if kind == _FINISH:
+            self.finished = True
+            self.heartbeat.stop()
+            return None
+        self.collective = COLLECTIVES[collective]
+        self.stats.begin_step(tokens)
+        return tokens, _DTYPES[dtype]
+
+    def receive_inputs(
+        self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype, layer: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Another rank: a MoE layer's inputs from rank 0 -> x [T, H] in `dtype`, ids int64 and
+        weights fp32 [T, k]."""
+        start = time.perf_counter()
+        packed = torch.empty((tokens, hidden + 2 * top_k), dtype=torch.float32)
+        what = f"{layer}: receive the layer's inputs"
+        self._collective(what, dist.broadcast, packed, self.leader, group=self.group)
+        self.stats.last.exchange_ms += 1e3 * (time.perf_counter() - start)
+        x, ids, weights = packed.split([hidden, top_k, top_k], dim=1)
+        return x.to(dtype).contiguous(), ids.long(), weights.contiguous()
+
+    # both sides
 
     def record_experts(self, ms: float) -> None:
         """This rank's own experts took `ms` milliseconds in the current step."""
         self.stats.last.expert_ms += ms
 
     def exchange(self, rows: torch.Tensor, spans: list[tuple[int, int]], layer: str) -> None:
-        """rows [T*k, H] hold this rank's span (`spans[rank]`) of a step's rows; afterwards they hold
-        every rank's, on every rank (the rows outside its span may hold anything before)."""
+        """rows [T*k, H] hold this rank's span (`spans[rank]`) of a step's rows; afterwards rank 0's
+        hold every rank's (the rows outside a rank's span may hold anything before)."""
         start = time.perf_counter()
-        mine = spans[self.rank][1] - spans[self.rank][0]
+        first, stop = spans[self.rank]
         row_bytes = rows.shape[1] * rows.element_size()
-        try:
-            if self.collective == "all_to_all":
-                counts = [stop - first for first, stop in spans]
-                first, stop = spans[self.rank]
-                outgoing = rows[first:stop].repeat(self.world, 1)  # the span, once for every rank
-                dist.all_to_all_single(rows, outgoing, counts, [mine] * self.world, group=self.group)
-                sent = (self.world - 1) * mine * row_bytes
-            else:  # the sum of each row's one value and the other ranks' zeros
-                first, stop = spans[self.rank]
-                rows[:first].zero_()
-                rows[stop:].zero_()
-                dist.all_reduce(rows, group=self.group)
-                sent = 2 * (self.world - 1) * rows.numel() * rows.element_size() // self.world  # a ring's
-        except Exception as e:  # gloo/NCCL: a peer closed the connection, or the timeout passed
-            raise ExpertParallelError(
-                f"{layer}: rank {self.rank}'s exchange of expert rows with the other {self.world - 1} "
-                f"rank(s) failed (a rank died, or hung past the {self.timeout_s:.0f} s timeout): "
-                f"{str(e).splitlines()[0][:200]}"
-            ) from None
+        others = rows.shape[0] - (spans[0][1] - spans[0][0])  # rows rank 0 receives
+        nothing = rows.new_empty((0, rows.shape[1]))
+        what = f"{layer}: bring the expert rows to rank 0"
+        if self.collective == "all_to_all":  # rank 0's span first: the others' fill rows[stop0:]
+            counts = [b - a for a, b in spans]
+            if self.leads:
+                outputs, inputs = [0, *counts[1:]], [0] * self.world
+                self._collective(
+                    what,
+                    dist.all_to_all_single,
+                    rows[counts[0] :],
+                    nothing,
+                    outputs,
+                    inputs,
+                    group=self.group,
+                )
+            else:
+                outputs, inputs = (
+                    [0] * self.world,
+                    [counts[self.rank] if r == 0 else 0 for r in range(self.world)],
+                )
+                self._collective(
+                    what, dist.all_to_all_single, nothing, rows[first:stop], outputs, inputs, group=self.group
+                )
+            sent = 0 if self.leads else (stop - first) * row_bytes
+        else:  # the sum of each row's one value and the other ranks' zeros
+            rows[:first].zero_()
+            rows[stop:].zero_()
+            self._collective(what, dist.reduce, rows, self.leader, group=self.group)
+            sent = 0 if self.leads else rows.numel() * rows.element_size()
         step = self.stats.last
         step.exchanges += 1
         step.sent_bytes += sent
+        step.received_bytes += others * row_bytes if self.leads else 0
         step.exchange_ms += 1e3 * (time.perf_counter() - start)
+
+    def _collective(self, what: str, collective, *args, **kwargs) -> None:
+        """collective(*args, **kwargs); a failure becomes one ExpertParallelError saying what this
+        rank could not do and naming the ranks that stopped answering."""
+        try:
+            collective(*args, **kwargs)
+        except Exception as e:  # gloo/NCCL: a peer closed the connection, or the timeout passed
+            raise ExpertParallelError(self._failure(what, e)) from None
+
+    def _failure(self, what: str, error: Exception) -> str:
+        silent = self.heartbeat.silent()
+        if silent:
+            named = ", ".join(map(str, silent))
+            who = f"rank{'s' if len(silent) > 1 else ''} {named} stopped answering (died, or hung)"
+        elif silent == []:
+            who = "every rank still answers, but one left the step (an error on it: see its output)"
+        else:
+            who = "a rank died, or hung"
+        return (
+            f"rank {self.rank} of {self.world} could not {what}: {who}; collectives wait up to "
+            f"{self.timeout_s:.0f} s ({str(error).splitlines()[0][:160]})"
+        )
 
     def check_same(self, what: str, text: str) -> None:
         """Refuse to start unless every rank has the same `text` (a checkpoint's config, the options):

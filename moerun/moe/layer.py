@@ -251,10 +251,14 @@ class MoELayer:
                 weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
             trace.router_figures(logits, ids, weights, spec.num_experts)
         self._route_ms = 1e3 * (time.perf_counter() - route_start)
+        if self.parallel is not None:  # the other ranks start on their experts while this fetches
+            self.parallel.share_inputs(x, ids, weights, self.name)
         if self.experts.stream is not None:  # the host stage: the step's experts into cache slots
             self._fetch(self.owned_of(torch.unique(ids).tolist()), after_fetch)
         if self.parallel is not None:
-            out = self._parallel_experts(x, ids, weights, trace)
+            rows, plan = self._parallel_rows(x, ids, weights, trace)
+            with trace.stage("combine", x.device):
+                out = torch_backend.combine(rows, plan, self.workspace)  # [T, H] fp32
         elif x.shape[0] == 1:
             with trace.stage("plan", x.device):
                 plan = backend.token_plan(ids, weights, self.name)
@@ -280,12 +284,9 @@ class MoELayer:
         trace.finish(x.shape[0])
         return out.to(x.dtype)
 
-    def _parallel_experts(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace
-    ) -> torch.Tensor:
+    def _parallel_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace):
         """Expert parallelism: the rows of this rank's experts (one contiguous span of the plan's),
-        exchanged so every rank has every row, then each token's rows summed in plan order -> [T, H]
-        fp32."""
+        brought to rank 0 -> (rows [T*k, H] fp32: on rank 0 every rank's, the plan)."""
         # expert by expert (torch's or the native kernels'); a grouped-GEMM backend: torch's rows
         backend = self.batch_backend if self.batch_backend.STREAMS_PREFILL else torch_backend
         with trace.stage("plan", x.device):
@@ -299,8 +300,23 @@ class MoELayer:
         with trace.stage("exchange", x.device):
             spans = self.parallel.spans(plan.offsets.tolist(), self.spec.num_experts)
             self.parallel.exchange(rows, spans, self.name)
-        with trace.stage("combine", x.device):
-            return torch_backend.combine(rows, plan, self.workspace)
+        return rows, plan
+
+    def serve_step(self, tokens: int, dtype: torch.dtype) -> None:
+        """Expert parallelism, a rank other than 0: this layer's part of rank 0's step of `tokens`
+        tokens: its inputs received, its own experts' rows computed (fetched first when streamed)
+        and sent back."""
+        spec = self.spec
+        x, ids, weights = self.parallel.receive_inputs(tokens, spec.hidden, spec.top_k, dtype, self.name)
+        trace = layer_trace(self.name)
+
+        def step(x: torch.Tensor, after_fetch: None) -> None:
+            if self.experts.stream is not None:
+                self._fetch(self.owned_of(torch.unique(ids).tolist()), None)
+            self._parallel_rows(x, ids, weights, trace)
+
+        self._route_ms = 0.0  # rank 0 routed
+        self._streamed_step(step, x, None)
 
     @property
     def decodes_natively(self) -> bool:

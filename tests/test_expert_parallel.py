@@ -298,6 +298,34 @@ def test_torchrun_runs_moerun_generate_expert_parallel(tmp_path):
     assert "expert parallel: rank 0 of 2" in run.stderr and run.stderr.count("loaded ") == 1
 
 
+def test_torchrun_runs_the_checkpoint_bench_expert_parallel(tmp_path):
+    """`torchrun --nproc-per-node 2 -m moerun bench --model PATH`: rank 0 measures the checkpoint with
+    its experts spread over both ranks and alone prints the figures, the exchanges among them."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = save_model(make_model("olmoe"), tmp_path / "olmoe")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), "-m", "moerun", "bench"]
+    command += ["--model", str(path), "--dtype", "fp32", "--prefill-tokens", "24", "--decode-steps", "4"]
+    command += ["--repeats", "1", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone prints
+    r = json.loads(lines[0])
+    ep = r["expert_parallel"]
+    assert ep["placement"] == "rank 0 of 2: experts 0-3 of 8"
+    assert ep["steps"] > 0 and ep["sent_bytes"] > 0 and ep["received_bytes"] > 0 and r["decode_tok_s"] > 0
+
+
 def _bench_rank(rank: int, world: int, init: str, out: str) -> None:
     from hf_models import TINY_OLMOE
 
@@ -342,3 +370,68 @@ def test_the_expert_parallel_bench_runs_both_sides(tmp_path):
             assert figures[phase]["exchange_ms"] > 0
         assert collective in first["table"]
     assert "one process" in first["table"]
+
+
+def test_torchrun_serves_expert_parallel(tmp_path):
+    """`torchrun --nproc-per-node 2 -m moerun serve ...` as a user starts it: rank 0 answers the
+    OpenAI API (the other rank serving its experts), 4 concurrent greedy completions each give the
+    text one process generates alone, and Ctrl-C (SIGINT to torchrun) ends every rank."""
+    import concurrent.futures
+    import contextlib
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+    from tiny_tokenizers import byte_level_tokenizer, save_hf_dir
+
+    openai = pytest.importorskip("openai")
+    tok = byte_level_tokenizer("qwen2")
+    path = tmp_path / "served"
+    save_hf_dir(tok, path, tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>")
+    save_model(make_model("olmoe", vocab_size=tok.get_vocab_size()), path)
+    prompts = ["hello there", "the cat", "a b c d", "moerun"]
+    alone = moerun.load(path, dtype=torch.float32)
+    expected = ["".join(t.text for t in alone.generate(p, 8)) for p in prompts]
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    master, port = ports
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(master), "-m", "moerun", "serve"]
+    command += ["-m", str(path), "--port", str(port), "--dtype", "fp32", "--alias", "tiny", "--parallel", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline, status = time.monotonic() + 180, None
+        while time.monotonic() < deadline and status != 200 and process.poll() is None:
+            with contextlib.suppress(httpx.TransportError):  # not listening yet
+                status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
+            time.sleep(0.2)
+        assert status == 200
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120
+        )
+
+        def complete(prompt: str) -> str:
+            return (
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+                .choices[0]
+                .text
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(complete, prompts)) == expected
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    assert "expert parallel, rank 0 of 2: experts 0-3 of 8" in err, err[-2000:]
+    # each rank stopped on its own Ctrl-C (torchrun passes it on, then prints its own traceback)
+    assert err.count("moerun serve: interrupted.") == 2, err[-3000:]
+    frames = [line for line in err.splitlines() if line.strip().startswith("File ")]
+    assert all("site-packages" in f for f in frames), err[-3000:]  # torchrun's frames, none of moerun's

@@ -90,8 +90,12 @@ def run_checkpoint_bench(
     device: str = "cpu",
     backend: str = "auto",
     log: Callable[[str], None] = lambda s: None,
-) -> dict:
-    """Load `path` and measure it (see the module docstring); `peer`: "llama.cpp" or None."""
+    expert_parallel: bool = False,
+) -> dict | None:
+    """Load `path` and measure it (see the module docstring); `peer`: "llama.cpp" or None.
+    `expert_parallel` (under torchrun): rank 0 measures the model with its experts spread over the
+    ranks (the peer runs on rank 0 alone) and returns the figures; the other ranks serve their
+    experts until it is done and return None."""
     from moerun.bench.llama_cpp import NAME, LlamaCppPeer, PeerError, check_peer
 
     if peer is not None:
@@ -103,8 +107,14 @@ def run_checkpoint_bench(
     path = Path(path)
     log(f"loading {path} ({dtype}, {device})")
     start = time.perf_counter()
-    model = load(path, dtype=COMPUTE_DTYPES[dtype], device=device, backend=backend)
+    model = load(
+        path, dtype=COMPUTE_DTYPES[dtype], device=device, backend=backend, expert_parallel=expert_parallel
+    )
     load_s = time.perf_counter() - start
+    ep = model.expert_parallel
+    if ep is not None and not ep.leads:
+        model.serve_experts()
+        return None
     config = model.config
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (max(prefill_tokens, PROMPT_TOKENS),), generator=gen).tolist()
@@ -122,6 +132,7 @@ def run_checkpoint_bench(
     finally:
         for c in contenders[1:]:
             c.close()
+        model.close()  # expert parallelism: the other ranks' serve_experts returns
     bytes_per_token = model_decode_bytes(model)
     file_bytes = gguf_decode_bytes(path) if path.suffix == ".gguf" else None
     r = {
@@ -150,7 +161,10 @@ def run_checkpoint_bench(
         **_figures("", m, "moerun", prefill_tokens),
         "peer": None,
         "peer_note": None if peer else "no --peer",
+        "expert_parallel": None,
     }
+    if ep is not None:  # rank 0's placement and its figures summed over every measured step
+        r["expert_parallel"] = {"placement": ep.placement(config.moe.num_experts), **ep.stats.as_dict()}
     r["decode_bytes_per_s"] = bytes_per_token * r["decode_tok_s"]
     r["decode_copy_fraction"] = r["decode_bytes_per_s"] / copy
     if peer is not None:
@@ -245,6 +259,13 @@ def format_checkpoint_table(r: dict) -> str:
         f"({r['cpus']} CPUs, {r['threads']} threads here): other work on the machine slows llama.cpp's "
         "spinning thread barriers most"
     )
+    if ep := r.get("expert_parallel"):
+        lines.append(
+            f"  expert parallel: {ep['placement']}; over {ep['steps']} steps rank 0 sent "
+            f"{ep['sent_bytes'] / mib:.1f} MiB of layer inputs and received "
+            f"{ep['received_bytes'] / mib:.1f} MiB of rows in {ep['exchange_ms']:.0f} ms, "
+            f"beside {ep['expert_ms']:.0f} ms on its own experts"
+        )
     if peer:
         lines.append(
             f"  logits over {r['compared_positions']} positions: max |moerun - llama.cpp| / max |llama.cpp| "

@@ -100,8 +100,8 @@ def add_parser(commands) -> None:
     bench.add_argument(
         "--expert-parallel",
         action="store_true",
-        help="with --model (generated), under torchrun: the model expert-parallel over the ranks, against "
-        "one process (on by itself when WORLD_SIZE > 1)",
+        help="under torchrun: the model's experts spread over the ranks (on by itself when WORLD_SIZE > 1); "
+        "--model without a PATH: the generated model expert-parallel against one process",
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=run)
@@ -137,8 +137,10 @@ def run(args: argparse.Namespace) -> int:
             device=args.device or "cpu",
             backend=args.backend,
             log=log,
+            expert_parallel=expert_parallel(args),
         )
-        print(json.dumps(results) if args.json else format_checkpoint_table(results))
+        if results is not None:  # rank 0 alone measures and prints
+            print(json.dumps(results) if args.json else format_checkpoint_table(results))
         return 0
     if args.offload:
         from moerun.bench.offload import format_offload_table, run_offload_bench

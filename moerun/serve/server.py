@@ -47,7 +47,12 @@ def serve(
             return
         state.scheduler = Scheduler(model, parallel=parallel, queue_size=queue_size)
         state.model = model
-        log(f"moerun serve: {model_name} ready on http://{host}:{port}/v1 ({parallel} sequences at once)")
+        ep = getattr(model, "expert_parallel", None)
+        where = f"; expert parallel, {ep.placement(model.config.moe.num_experts)}" if ep is not None else ""
+        log(
+            f"moerun serve: {model_name} ready on http://{host}:{port}/v1 ({parallel} sequences at once"
+            f"{where})"
+        )
 
     threading.Thread(target=load_in_background, name="moerun-load", daemon=True).start()
     config = uvicorn.Config(build_app(state), host=host, port=port, log_level="warning", lifespan="off")

@@ -37,7 +37,14 @@ def _status(key: str) -> int:
 
 
 def _rank(
-    rank: int, world: int, init: str, path: str, out: str, hang_at: int | None, warm: str | None
+    rank: int,
+    world: int,
+    init: str,
+    path: str,
+    out: str,
+    hang_at: int | None,
+    warm: str | None,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """One process: join the group (world > 1), load, generate, save what it saw. `hang_at`: the last
     rank stops itself (SIGSTOP) in rank 0's step `hang_at`, and stays stopped until the test kills it.
@@ -59,7 +66,7 @@ def _rank(
         before = _status("VmRSS")
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")  # VmHWM restarts from the resident size now: the load's own peak
-        model = moerun.load(path, dtype=torch.float32, backend="torch", expert_parallel=ep)
+        model = moerun.load(path, dtype=dtype, backend="torch", expert_parallel=ep)
         result["grown"] = _status("VmRSS") - before
         result["peak"] = _status("VmHWM") - before
         if rank == 0:
@@ -93,14 +100,16 @@ def _hang_in_step(ep: ExpertParallel, step: int, out: str) -> None:
     ep.next_step = hanging
 
 
-def _run(path, world: int, out, hang_at: int | None = None, warm=None) -> list[dict | None]:
+def _run(
+    path, world: int, out, hang_at: int | None = None, warm=None, dtype=torch.float32
+) -> list[dict | None]:
     """The ranks, spawned; a rank still alive after the others end (the hung one) is killed."""
     out.mkdir()
     init = out / "init"
     context = multiprocessing.get_context("spawn")
     ranks = [
         context.Process(
-            target=_rank, args=(r, world, str(init), str(path), str(out), hang_at, warm and str(warm))
+            target=_rank, args=(r, world, str(init), str(path), str(out), hang_at, warm and str(warm), dtype)
         )
         for r in range(world)
     ]
@@ -168,25 +177,18 @@ def _file_bytes(path) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize(
-    "layout",
-    [
-        "fused",
-        pytest.param(
-            "per-expert",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="checkpoint/hf.py `_stacked` stacks all E experts of a per-expert checkpoint, and "
-                "moe/layer.py `_share` keeps a view of that whole tensor: each rank holds every expert",
-            ),
-        ),
-    ],
+    "layout, dtype", [("fused", torch.float32), ("per-expert", torch.float32), ("fused", torch.bfloat16)]
 )
-def test_a_rank_holds_the_dense_part_and_its_share_of_the_experts(big_olmoe, layout, tmp_path):
+def test_a_rank_holds_the_dense_part_and_its_share_of_the_experts(big_olmoe, layout, dtype, tmp_path):
+    """Per-expert tensors: only the share's are stacked; fp32 loaded as bf16: only the share's are
+    converted."""
     path = big_olmoe[layout]
     dense, experts = _file_bytes(path)
     assert experts > 40 * dense
-    (alone,) = _run(path, 1, tmp_path / "alone", warm=big_olmoe["warm"])
-    ranks = _run(path, 2, tmp_path / "ranks", warm=big_olmoe["warm"])
+    if dtype == torch.bfloat16:  # the experts converted (the dense part: within the slack)
+        experts //= 2
+    (alone,) = _run(path, 1, tmp_path / "alone", warm=big_olmoe["warm"], dtype=dtype)
+    ranks = _run(path, 2, tmp_path / "ranks", warm=big_olmoe["warm"], dtype=dtype)
     assert abs(alone["grown"] - (dense + experts)) <= SLACK_MB * MIB, alone["grown"] / MIB
     for rank, r in enumerate(ranks):
         share = ExpertShard(rank, 2, BIG_OLMOE["num_experts"])

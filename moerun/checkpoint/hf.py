@@ -62,12 +62,15 @@ def canonical_tensors(
     get: Callable[[str], torch.Tensor],
     release: Callable[[str], None] = lambda name: None,
     assemble: bool = True,
+    share=None,
 ) -> tuple[dict[str, torch.Tensor | QTensor | ExpertPieces], dict[str, str]]:
     """(canonical tensors, canonical name -> checkpoint name). Names that fit nothing are kept
     under their own name, so the model's check lists them as unexpected. `get` returns a checkpoint
     tensor (a view of the mapped file); `release` is told when one has been copied and is not needed.
     `assemble=False`: per-expert and MXFP4 expert projections are described (`ExpertPieces`), not
-    copied."""
+    copied. `share` (expert parallelism, a moerun.distributed.ExpertShard): every MoE layer's
+    expert tensors hold only its experts [start, stop), cut before anything is copied (per-expert
+    tensors: only the share's are stacked)."""
     tensors: dict[str, torch.Tensor | QTensor] = {}
     sources: dict[str, str] = {}
     blocks: dict[int, dict[str, str]] = defaultdict(dict)  # layer -> block-relative name -> checkpoint name
@@ -91,7 +94,7 @@ def canonical_tensors(
     for layer, block in blocks.items():
         prefix = f"layers.{layer}."
         if config.moe_layers[layer]:
-            moe, moe_sources = _moe_block(model_type, block, get, release, assemble)
+            moe, moe_sources = _moe_block(model_type, block, get, release, assemble, share)
             tensors.update({prefix + "moe." + k: v for k, v in moe.items()})
             sources.update({prefix + "moe." + k: v for k, v in moe_sources.items()})
         else:
@@ -171,8 +174,17 @@ def _described(parts: list[list[str]], get) -> ExpertPieces | None:
     return ExpertPieces((len(parts), rows[-1], first[0].shape[1]), first[0].dtype, None, pieces)
 
 
-def _moe_block(model_type: str, block: dict[str, str], get, release, assemble: bool) -> tuple[dict, dict]:
-    """One MoE block's checkpoint names (relative to the block) -> canonical MoE tensors."""
+def _moe_block(
+    model_type: str, block: dict[str, str], get, release, assemble: bool, share=None
+) -> tuple[dict, dict]:
+    """One MoE block's checkpoint names (relative to the block) -> canonical MoE tensors; `share`:
+    see canonical_tensors (a tensor whose expert count is not the config's is left whole, for the
+    model's check to report)."""
+
+    def cut(t: torch.Tensor) -> torch.Tensor:  # [E, ...] -> the share's experts, a view
+        whole = share is None or t.dim() == 0 or t.shape[0] != share.num_experts
+        return t if whole else t[share.start : share.stop]
+
     per_expert: dict[str, dict[int, str]] = defaultdict(dict)
     fused: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
@@ -186,12 +198,12 @@ def _moe_block(model_type: str, block: dict[str, str], get, release, assemble: b
         elif rel.endswith("_blocks") and (scales := block.get(rel[: -len("_blocks")] + "_scales")):
             join = _gpt_oss_mxfp4 if assemble else _gpt_oss_mxfp4_pieces
             try:
-                quantised[rel[: -len("_blocks")]] = join(get(name), get(scales))
+                quantised[rel[: -len("_blocks")]] = join(cut(get(name)), cut(get(scales)))
             except FormatError as err:
                 raise TensorError(f"tensors {quote(name)} and {quote(scales)}: {err}") from None
             origin[rel[: -len("_blocks")]] = f"{name} + {scales}"
         elif not rel.endswith("_scales"):
-            fused[rel], origin[rel] = get(name), name
+            fused[rel], origin[rel] = cut(get(name)) if rel.startswith("experts.") else get(name), name
     if per_expert:
         n = 1 + max(max(e) for e in per_expert.values())
         complete = {role: experts for role, experts in per_expert.items() if len(experts) == n}
@@ -203,12 +215,13 @@ def _moe_block(model_type: str, block: dict[str, str], get, release, assemble: b
             pieces = None if assemble or not as_is else _described(parts, get)
             return pieces if pieces is not None else _stacked(parts, get, release)
 
+        held = range(n) if share is None or n != share.num_experts else range(share.start, share.stop)
         if "gate" in complete and "up" in complete:
-            parts = [[complete["gate"][e], complete["up"][e]] for e in range(n)]
+            parts = [[complete["gate"][e], complete["up"][e]] for e in held]
             fused["experts.gate_up_proj"] = stacked(parts, "experts.gate_up_proj", "experts.gate_up")
             origin["experts.gate_up_proj"] = "experts.*.gate/up weights"
         if "down" in complete:
-            parts = [[complete["down"][e]] for e in range(n)]
+            parts = [[complete["down"][e]] for e in held]
             fused["experts.down_proj"] = stacked(parts, "experts.down_proj", "experts.down")
             origin["experts.down_proj"] = "experts.*.down weights"
     tensors, sources = sanitize(model_type, fused)

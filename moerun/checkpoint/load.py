@@ -77,7 +77,11 @@ def _hf_model(
     model_config: ModelConfig,
     dtype: torch.dtype,
     streamed: bool,
+    share=None,
 ) -> tuple[dict, list[MappedFile]]:
+    """The checkpoint's canonical tensors, checked, in their compute dtypes; `share` (expert
+    parallelism, resident experts): only this rank's experts, cut before anything is copied."""
+
     def release(name: str) -> None:
         if name in checkpoint:
             checkpoint.release(name)
@@ -90,10 +94,12 @@ def _hf_model(
             checkpoint.tensor,
             release,
             assemble=not streamed,
+            share=share,
         )
     except CheckpointError as err:
         raise in_file(err, root) from None
-    check_model_tensors(model_config, stand_ins(tensors), sources, where=str(root))
+    held = share.size if share is not None else None
+    check_model_tensors(model_config, stand_ins(tensors), sources, where=str(root), held=held)
     files = [MappedFile(f.path, f.mapped) for f in checkpoint.shards]
     return converted(tensors, sources, dtype, release, streamed), files
 
@@ -196,7 +202,11 @@ def load(
         read = lambda: Tokenizer.from_gguf_metadata(gguf.metadata, source=str(root))  # noqa: E731
         tokenizer = _tokenizer(read, root) if has_tokenizer else None
     else:
-        tensors, files = _hf_model(root, checkpoint, model_config, dtype, streamed)
+        # streamed: the store describes every expert and reads only the rank's own
+        share = (
+            expert_parallel.shard(model_config.moe.num_experts) if expert_parallel and not streamed else None
+        )
+        tensors, files = _hf_model(root, checkpoint, model_config, dtype, streamed, share)
         has_tokenizer = (directory / "tokenizer.json").is_file()
         tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory), directory) if has_tokenizer else None
     cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None

@@ -216,7 +216,9 @@ class ModelConfig:
         if moe.intermediate < 1:
             raise ConfigError(f"the experts' intermediate size is {moe.intermediate}; it must be at least 1.")
 
-    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+    def tensor_shapes(self, held: int | None = None) -> dict[str, tuple[int, ...]]:
+        """Canonical tensor name -> shape; `held`: the experts of each MoE layer this process holds
+        (expert parallelism: its share), default all."""
         H = self.hidden
         norm = ("weight", "bias") if self.norm == "layer" else ("weight",)
         shapes = {"embed.weight": (self.vocab_size, H), **{f"norm.{k}": (H,) for k in norm}}
@@ -229,7 +231,7 @@ class ModelConfig:
             shapes.update({f"{p}{which}_norm.{k}": (H,) for which in ("attn", "mlp") for k in norm})
             shapes.update({p + "attn." + k: s for k, s in self.attention.tensor_shapes().items()})
             if self.moe_layers[i]:
-                shapes.update({p + "moe." + k: s for k, s in self.moe.tensor_shapes().items()})
+                shapes.update({p + "moe." + k: s for k, s in self.moe.tensor_shapes(held).items()})
             else:
                 shapes[p + "mlp.gate_up"] = (2 * self.dense_intermediate, H)
                 shapes[p + "mlp.down"] = (H, self.dense_intermediate)

@@ -84,7 +84,11 @@ class MoEModel:
         `options`: how the kernels compute (int8 activations or not). `expert_parallel` (a
         moerun.distributed.ExpertParallel): this rank holds only its share of each MoE layer's
         experts and exchanges each step's rows with the other ranks."""
-        check_model_tensors(config, tensors)
+        held = None
+        if expert_parallel is not None:  # this rank's share of every MoE layer's experts (views)
+            shard = expert_parallel.shard(config.moe.num_experts)
+            tensors, held = shard.cut(tensors), shard.size
+        check_model_tensors(config, tensors, held=held)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.expert_cache, self.prefetch_k = expert_cache, prefetch_k or 0
         self.expert_parallel = expert_parallel
@@ -473,10 +477,12 @@ def check_model_tensors(
     tensors: Mapping[str, torch.Tensor | QTensor],
     sources: Mapping[str, str] | None = None,
     where: str = "",
+    held: int | None = None,
 ) -> None:
     """One StateDictError listing every missing, unexpected and mis-shaped tensor of the model;
-    `sources` (canonical name -> checkpoint name) and `where` (the file) make the message concrete."""
-    problems = tensor_problems(config.tensor_shapes(), tensors, sources, limit=2)  # one short sentence
+    `sources` (canonical name -> checkpoint name) and `where` (the file) make the message concrete;
+    `held`: the experts of each MoE layer the tensors hold (expert parallelism: a rank's share)."""
+    problems = tensor_problems(config.tensor_shapes(held), tensors, sources, limit=2)  # one short sentence
     if problems:
         raise StateDictError(
             f"{f'{where}: the' if where else 'The'} {config.model_type} checkpoint's tensors do not fit "

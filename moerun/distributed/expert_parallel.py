@@ -33,12 +33,14 @@ import contextlib
 import datetime
 import hashlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from moerun.distributed.heartbeat import Heartbeat
+from moerun.quant.formats import QTensor
 from moerun.settings import TORCHRUN_KEYS, settings
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -86,6 +88,27 @@ class ExpertShard:
     @property
     def owned(self) -> list[int]:
         return list(range(self.start, self.stop))
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def cut(self, tensors: Mapping[str, object]) -> dict[str, object]:
+        """`tensors` (canonical names, a model's or one MoE layer's) with every expert tensor
+        [E, ...] cut to this share's experts [start, stop): views (or storage-free stand-ins'
+        views), nothing read or copied. Expert tensors already cut to the share are kept as they are."""
+        out = {}
+        for key, t in tensors.items():
+            if (
+                key.rpartition("moe.")[2].startswith("experts.")
+                and t.shape[0] == self.num_experts != self.size
+            ):
+                if isinstance(t, QTensor):
+                    t = QTensor(t.format, (self.size, *t.shape[1:]), t.data[self.start : self.stop])
+                else:
+                    t = t[self.start : self.stop]
+            out[key] = t
+        return out
 
 
 COLLECTIVES = ("all_to_all", "reduce")

@@ -52,17 +52,19 @@ class MoESpec:
     def top_k(self) -> int:
         return self.routing.k
 
-    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Canonical tensor name -> shape. Projections are [out, in], experts stacked first."""
+    def tensor_shapes(self, held: int | None = None) -> dict[str, tuple[int, ...]]:
+        """Canonical tensor name -> shape. Projections are [out, in], experts stacked first.
+        `held`: the experts this process holds (expert parallelism: its share), default all E."""
         H, I, E = self.hidden, self.intermediate, self.num_experts
-        shapes = {"router.weight": (E, H), "experts.gate_up": (E, 2 * I, H), "experts.down": (E, H, I)}
+        X = E if held is None else held
+        shapes = {"router.weight": (E, H), "experts.gate_up": (X, 2 * I, H), "experts.down": (X, H, I)}
         if self.router_bias:
             shapes["router.bias"] = (E,)
         if self.score_bias:
             shapes["router.score_bias"] = (E,)
         if self.expert_bias:
-            shapes["experts.gate_up_bias"] = (E, 2 * I)
-            shapes["experts.down_bias"] = (E, H)
+            shapes["experts.gate_up_bias"] = (X, 2 * I)
+            shapes["experts.down_bias"] = (X, H)
         if self.shared_intermediate:
             S = self.shared_intermediate
             shapes["shared.gate_up"] = (2 * S, H)
@@ -157,11 +159,13 @@ class MoELayer:
         `dtype` (default: the dense expert weights' dtype, or fp32 when all of them are quantised).
         With a `stream` the expert projections are left where they are (the store reads them) and
         every other tensor is copied off the checkpoint's map, so only the store touches the file.
-        With `parallel`, only this rank's share of the experts is taken from `tensors` (the rest of
-        a mapped file is never read)."""
-        check_tensors(spec, tensors, name)
-        if parallel is not None:  # streamed: the cut stand-ins; the store reads only the owned experts
-            tensors = _share(tensors, parallel.shard(spec.num_experts))
+        With `parallel`, `tensors` hold this rank's share of the experts, or all of them, cut here
+        (views: the rest of a mapped file is never read; streamed: the store reads only the owned)."""
+        held = None
+        if parallel is not None:
+            shard = parallel.shard(spec.num_experts)
+            tensors, held = shard.cut(tensors), shard.size
+        check_tensors(spec, tensors, name, held=held)
         dtype = dtype or _compute_dtype(tensors)
         placed = {}
         for key, tensor in tensors.items():
@@ -371,21 +375,6 @@ class MoELayer:
             after_fetch()
 
 
-def _share(tensors: Mapping[str, torch.Tensor | QTensor], shard) -> dict[str, torch.Tensor | QTensor]:
-    """The expert tensors cut to the shard's experts [start, stop) (a view: nothing else is read)."""
-    cut = {}
-    for key, t in tensors.items():
-        if key.startswith("experts."):
-            if isinstance(t, QTensor):
-                t = QTensor(
-                    t.format, (shard.stop - shard.start, *t.shape[1:]), t.data[shard.start : shard.stop]
-                )
-            else:
-                t = t[shard.start : shard.stop]
-        cut[key] = t
-    return cut
-
-
 def _compute_dtype(tensors: Mapping[str, torch.Tensor | QTensor]) -> torch.dtype:
     """The dense expert weights' dtype; fp32 when every expert projection is quantised."""
     for key in _EXPERT_PROJECTIONS:
@@ -440,12 +429,17 @@ def tensor_problems(
 
 
 def check_tensors(
-    spec: MoESpec, tensors: Mapping[str, torch.Tensor], name: str, sources: Mapping[str, str] | None = None
+    spec: MoESpec,
+    tensors: Mapping[str, torch.Tensor],
+    name: str,
+    sources: Mapping[str, str] | None = None,
+    held: int | None = None,
 ) -> None:
     """Raise one StateDictError listing every missing, unexpected and mis-shaped tensor.
 
-    `sources` maps a canonical name to the checkpoint name it came from, for the message."""
-    problems = tensor_problems(spec.tensor_shapes(), tensors, sources)
+    `sources` maps a canonical name to the checkpoint name it came from, for the message; `held`:
+    the experts the tensors hold (expert parallelism: a rank's share; default all)."""
+    problems = tensor_problems(spec.tensor_shapes(held), tensors, sources)
     if problems:
         raise StateDictError(
             f"Tensors for MoE layer {name!r} do not fit its config: " + " | ".join(problems) + "."

@@ -38,7 +38,7 @@ ALLOWED = {
     },  # fmt: skip
     "families": {"decoder", "moe", "activations.py"},
     "perplexity.py": {"decoder"},
-    "distributed": {"settings.py"},
+    "distributed": {"settings.py", "quant"},
     "checkpoint": {
         "decoder",
         "families",

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gguf_from_hf import write_gguf
-from hf_models import VOCAB, make_model, save_model
+from hf_models import VOCAB, make_model, save_gpt_oss_mxfp4, save_model
 
 import moerun
 from moerun.distributed import ExpertParallel, ExpertParallelError, ExpertShard
@@ -148,6 +148,9 @@ CHECKPOINTS = {
     "qwen3_moe": lambda d: save_model(make_model("qwen3_moe"), d / "qwen3"),
     "gpt_oss": lambda d: save_model(make_model("gpt_oss"), d / "gpt_oss"),
     "olmoe-gguf-q4_k": lambda d: _gguf(d / "olmoe.gguf"),
+    "gpt_oss-mxfp4": lambda d: save_gpt_oss_mxfp4(
+        make_model("gpt_oss", hidden_size=64, intermediate_size=32), d / "mxfp4"
+    ),
 }
 
 
@@ -234,6 +237,40 @@ def test_a_rank_that_dies_stops_the_others_with_a_clear_error(dead, tmp_path):
     if dead == 1:
         assert "layers." in error, error  # rank 0 was in a MoE layer of the step
     assert results[1 - dead]["error_at"] - start <= 120 + TIMEOUT_S
+
+
+def _mismatched_rank(rank: int, init: str, paths: list[str], out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        moerun.load(paths[rank], dtype=torch.float32, expert_parallel=ExpertParallel(timeout_s=TIMEOUT_S))
+        error = None
+    except ExpertParallelError as e:
+        error = str(e)
+    torch.save(error, os.path.join(out, f"mismatch-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ranks_that_load_different_checkpoints_are_refused_at_start(tmp_path):
+    """Two ranks given two checkpoints of different configs: both refuse before any step, naming
+    the rank that differs."""
+    paths = [
+        str(save_model(make_model("olmoe"), tmp_path / "a")),
+        str(save_model(make_model("olmoe", num_experts=6), tmp_path / "b")),
+    ]
+    context = multiprocessing.get_context("spawn")
+    init = tmp_path / "init-mismatch"
+    ranks = [
+        context.Process(target=_mismatched_rank, args=(r, str(init), paths, str(tmp_path))) for r in range(2)
+    ]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    for r in range(2):
+        error = torch.load(tmp_path / f"mismatch-{r}.pt")
+        assert error is not None and "rank 1's checkpoint config and options differs from rank 0's" in error
 
 
 def test_shares_cover_the_experts_when_they_do_not_divide():

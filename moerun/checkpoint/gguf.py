@@ -235,17 +235,24 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     )
 
 
-def gguf_model(gguf: GGUFFile, assemble: bool = True) -> tuple[ModelConfig, dict[str, Tensor | ExpertPieces]]:
+def gguf_model(
+    gguf: GGUFFile, assemble: bool = True, share=None
+) -> tuple[ModelConfig, dict[str, Tensor | ExpertPieces]]:
     """The file's model config and canonical tensors; `assemble=False` leaves the routed gate/up
-    experts described (`ExpertPieces`) instead of fused in RAM."""
+    experts described (`ExpertPieces`) instead of fused in RAM. `share` (expert parallelism, with
+    `assemble`: a moerun.distributed.ExpertShard): every MoE layer's expert tensors hold only its
+    experts, cut before anything is copied."""
     model_config = gguf_model_config(gguf)
     arch = gguf.metadata["general.architecture"]
-    tensors = _canonical_tensors(gguf, arch, model_config, assemble)
+    tensors = _canonical_tensors(gguf, arch, model_config, assemble, share)
+    held = None
+    if share is not None:  # what was not copied is cut here: views of the file
+        tensors, held = share.cut(tensors), share.size
     try:
-        check_model_tensors(model_config, stand_ins(tensors))
+        check_model_tensors(model_config, stand_ins(tensors), held=held)
     except StateDictError:  # again, saying what the missing tensors are called in the file
         names = {k: _gguf_names(k, arch) for k in model_config.tensor_shapes() if k not in tensors}
-        check_model_tensors(model_config, stand_ins(tensors), names, where=str(gguf.path))
+        check_model_tensors(model_config, stand_ins(tensors), names, where=str(gguf.path), held=held)
     return model_config, tensors
 
 
@@ -462,7 +469,7 @@ def _single(value, key: str, gguf: GGUFFile):
 
 
 def _canonical_tensors(
-    gguf: GGUFFile, arch: str, config: ModelConfig, assemble: bool = True
+    gguf: GGUFFile, arch: str, config: ModelConfig, assemble: bool = True, share=None
 ) -> dict[str, Tensor | ExpertPieces]:
     facts = gguf_facts(arch)
     layer_names = _layer_names(facts)
@@ -485,6 +492,8 @@ def _canonical_tensors(
             tensors[_TOP.get(name, name)] = gguf.tensor(name)
     for layer, by_projection in per_expert.items():
         gate, up, down = per_expert_parts(gguf, f"blk.{layer}.", by_projection)
+        if share is not None and len(gate) == share.num_experts:  # only the share's are stacked
+            gate, up, down = (p[share.start : share.stop] for p in (gate, up, down))
         joined = (
             stacked_experts(gguf, gate, up, down, by_projection)
             if assemble
@@ -498,10 +507,12 @@ def _canonical_tensors(
                 interleave = facts.interleaved_gate_up and canonical.startswith("moe.experts")
                 parts = GateUp((block.pop(gate), block.pop(up)), expert="exps" in gate, interleave=interleave)
                 describe = not assemble and canonical == "moe.experts.gate_up"
-                tensors[prefix + canonical] = (described if describe else fuse)(gguf, parts)
+                tensors[prefix + canonical] = described(gguf, parts) if describe else fuse(gguf, parts, share)
         for dim, rel in ((-2, "ffn_gate_up_exps.weight"), (-1, "ffn_gate_up_exps.bias")):
             if facts.interleaved_gate_up and rel in block:  # stored fused as gate rows then up rows
                 t = gguf.tensor(block.pop(rel))
+                if share is not None:
+                    t = share.cut_one(t)
                 if assemble or dim == -1:
                     tensors[prefix + layer_names[rel]] = interleave_halves(t, dim)
                 else:  # the halves described as gate and up experts

@@ -11,6 +11,7 @@ import torch
 
 from moerun.errors import TensorError
 from moerun.loader import CheckpointError, GGUFFile
+from moerun.loader.mapped import release_mapped
 from moerun.offload.pieces import ExpertPieces, Piece
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
@@ -89,12 +90,21 @@ def _pieces_of(experts: list[Tensor], pieces: tuple[Piece, ...], rows: int) -> E
 
 
 def _stack(parts: list[Tensor], num_experts: int) -> Tensor:
-    """parts = gate of experts 0..E-1 then up of 0..E-1 (or just one projection's) -> [E, rows, in]."""
+    """parts = gate of experts 0..E-1 then up of 0..E-1 (or just one projection's) -> [E, rows, in],
+    each part copied once, straight into place (no intermediate stacks held beside the result), and
+    its mapped pages given back."""
     halves = [parts[i : i + num_experts] for i in range(0, len(parts), num_experts)]
+    first = parts[0].data if isinstance(parts[0], QTensor) else parts[0]
+    rows = first.shape[0]
+    out = torch.empty((num_experts, rows * len(halves), *first.shape[1:]), dtype=first.dtype)
+    for h, half in enumerate(halves):
+        for e, t in enumerate(half):
+            source = t.data if isinstance(t, QTensor) else t
+            out[e, h * rows : (h + 1) * rows] = source
+            release_mapped(source)  # copied: the map's pages go now, not after the whole layer
     if isinstance(parts[0], QTensor):
-        data = torch.cat([torch.stack([t.data for t in half]) for half in halves], dim=1)
-        return QTensor(parts[0].format, (num_experts, data.shape[1], parts[0].shape[-1]), data)
-    return torch.cat([torch.stack(half) for half in halves], dim=1)
+        return QTensor(parts[0].format, (num_experts, out.shape[1], parts[0].shape[-1]), out)
+    return out
 
 
 def described(gguf: GGUFFile, parts: GateUp) -> ExpertPieces:
@@ -154,12 +164,16 @@ def _gate_and_up(gguf: GGUFFile, parts: GateUp) -> tuple[Tensor, Tensor]:
     return gate, up
 
 
-def fuse(gguf: GGUFFile, parts: GateUp) -> Tensor:
+def fuse(gguf: GGUFFile, parts: GateUp, share=None) -> Tensor:
     """gate [.., I, in] and up [.., I, in] (or biases [.., I]) -> [.., 2I, in]: gate rows then up rows,
     or (interleave) gate row j at 2j and up row j at 2j + 1. Quantised parts stay quantised when they
-    share a format; expert parts must, the small dense MLPs are dequantised."""
+    share a format; expert parts must, the small dense MLPs are dequantised. `share` (expert
+    parallelism, a moerun.distributed.ExpertShard): expert parts are cut to it first, so only its
+    experts are copied."""
     names, interleave = parts.names, parts.interleave
     gate, up = _gate_and_up(gguf, parts)
+    if share is not None and parts.expert:
+        gate, up = share.cut_one(gate), share.cut_one(up)
     if isinstance(gate, QTensor):
         data = _join(gate.data, up.data, dim=-2, interleave=interleave)
         fused = QTensor(gate.format, (*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1]), data)

@@ -182,8 +182,7 @@ def _moe_block(
     model's check to report)."""
 
     def cut(t: torch.Tensor) -> torch.Tensor:  # [E, ...] -> the share's experts, a view
-        whole = share is None or t.dim() == 0 or t.shape[0] != share.num_experts
-        return t if whole else t[share.start : share.stop]
+        return t if share is None else share.cut_one(t)
 
     per_expert: dict[str, dict[int, str]] = defaultdict(dict)
     fused: dict[str, torch.Tensor] = {}

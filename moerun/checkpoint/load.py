@@ -195,17 +195,16 @@ def load(
             expert_cache_gb = fit.budget_bytes / 2**30
             print(f"moerun: {root}: {fit.describe()}", file=sys.stderr, flush=True)
     streamed = expert_cache_gb is not None
+    # resident: only this rank's experts, cut before anything is copied; streamed: the store describes
+    # every expert and reads only the rank's own
+    share = expert_parallel.shard(model_config.moe.num_experts) if expert_parallel and not streamed else None
     if gguf is not None:
-        model_config, tensors = gguf_model(gguf, assemble=not streamed)
+        model_config, tensors = gguf_model(gguf, assemble=not streamed, share=share)
         files = [MappedFile(gguf.path, gguf.mapped)]
         has_tokenizer = "tokenizer.ggml.model" in gguf.metadata
         read = lambda: Tokenizer.from_gguf_metadata(gguf.metadata, source=str(root))  # noqa: E731
         tokenizer = _tokenizer(read, root) if has_tokenizer else None
     else:
-        # streamed: the store describes every expert and reads only the rank's own
-        share = (
-            expert_parallel.shard(model_config.moe.num_experts) if expert_parallel and not streamed else None
-        )
         tensors, files = _hf_model(root, checkpoint, model_config, dtype, streamed, share)
         has_tokenizer = (directory / "tokenizer.json").is_file()
         tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory), directory) if has_tokenizer else None

@@ -97,18 +97,17 @@ class ExpertShard:
         """`tensors` (canonical names, a model's or one MoE layer's) with every expert tensor
         [E, ...] cut to this share's experts [start, stop): views (or storage-free stand-ins'
         views), nothing read or copied. Expert tensors already cut to the share are kept as they are."""
-        out = {}
-        for key, t in tensors.items():
-            if (
-                key.rpartition("moe.")[2].startswith("experts.")
-                and t.shape[0] == self.num_experts != self.size
-            ):
-                if isinstance(t, QTensor):
-                    t = QTensor(t.format, (self.size, *t.shape[1:]), t.data[self.start : self.stop])
-                else:
-                    t = t[self.start : self.stop]
-            out[key] = t
-        return out
+        experts = (k for k in tensors if k.rpartition("moe.")[2].startswith("experts."))
+        return {**tensors, **{k: self.cut_one(tensors[k]) for k in experts}}
+
+    def cut_one(self, t):
+        """One expert tensor or QTensor [E, ...] -> its rows [start, stop) (a view); anything else
+        (already cut, or not E experts, for the checks to report) as it is."""
+        if len(t.shape) == 0 or t.shape[0] != self.num_experts or self.size == self.num_experts:
+            return t
+        if isinstance(t, QTensor):
+            return QTensor(t.format, (self.size, *t.shape[1:]), t.data[self.start : self.stop])
+        return t[self.start : self.stop]
 
 
 COLLECTIVES = ("all_to_all", "reduce")

@@ -273,6 +273,51 @@ def test_ranks_that_load_different_checkpoints_are_refused_at_start(tmp_path):
         assert error is not None and "rank 1's checkpoint config and options differs from rank 0's" in error
 
 
+def _idle_rank(rank: int, init: str, path: str, out: str) -> None:
+    """Rank 0 computes logits, sits idle for 3 times the idle timeout, computes them again."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    ep = ExpertParallel(timeout_s=TIMEOUT_S, idle_timeout_s=IDLE_S)
+    model = moerun.load(path, dtype=torch.float32, backend="torch", expert_parallel=ep)
+    result = {}
+    try:
+        if rank == 0:
+            result["before"] = model.logits(IDS)
+            time.sleep(3 * IDLE_S)
+            result["after"] = model.logits(IDS)
+            model.close()
+        else:
+            model.serve_experts()
+        result["steps"] = ep.stats.steps
+    except ExpertParallelError as e:
+        result["error"] = str(e)
+    torch.save(result, os.path.join(out, f"idle-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+IDLE_S = 2.0
+
+
+def test_the_other_ranks_outlast_an_idle_rank_0(tmp_path):
+    """A server may sit idle longer than the other ranks wait for a step: rank 0 says it is still
+    there (a keep-alive header every quarter of the idle timeout), so they are still serving when
+    its next step comes."""
+    path = save_model(make_model("olmoe"), tmp_path / "olmoe")
+    context = multiprocessing.get_context("spawn")
+    init = tmp_path / "init-idle"
+    ranks = [
+        context.Process(target=_idle_rank, args=(r, str(init), str(path), str(tmp_path))) for r in range(2)
+    ]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    first, second = (torch.load(tmp_path / f"idle-{r}.pt") for r in range(2))
+    assert "error" not in first and "error" not in second, (first.get("error"), second.get("error"))
+    assert torch.equal(first["before"], first["after"]) and second["steps"] == first["steps"] > 0
+
+
 def test_shares_cover_the_experts_when_they_do_not_divide():
     for experts, world in [(8, 3), (5, 2), (64, 7), (3, 3)]:
         shares = [ExpertShard(r, world, experts) for r in range(world)]

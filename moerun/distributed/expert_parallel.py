@@ -21,9 +21,10 @@ into rank 0 of the whole [T*k, H] buffer, zero outside each rank's span (exact: 
 value plus zeros). docs/PERFORMANCE.md has both measured; `moerun bench --model --expert-parallel`
 measures both in one run.
 
-Waiting: a step's collectives wait at most `timeout_s`; between steps the other ranks wait on the
-control group for up to IDLE_TIMEOUT (a server may sit idle). A collective that fails names the
-ranks that stopped answering (moerun.distributed.heartbeat).
+Waiting: a step's collectives wait at most `timeout_s`. Between steps the other ranks wait on the
+control group for rank 0's next header, up to `idle_timeout_s`; a server may sit idle far longer,
+so while no step is announced rank 0 sends a "still here" header every quarter of that. A
+collective that fails names the ranks that stopped answering (moerun.distributed.heartbeat).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import atexit
 import contextlib
 import datetime
 import hashlib
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,9 +46,9 @@ from moerun.quant.formats import QTensor
 from moerun.settings import TORCHRUN_KEYS, settings
 
 DEFAULT_TIMEOUT_S = 60.0
-IDLE_TIMEOUT = datetime.timedelta(days=30)  # the other ranks' wait for rank 0's next step
+IDLE_TIMEOUT_S = 2 * 3600.0  # the other ranks' wait for rank 0's next header (a step, or "still here")
 # a step header on the control group: [kind, tokens, collective, activation dtype]
-_STEP, _FINISH = 1, 0
+_STEP, _FINISH, _KEEPALIVE = 1, 0, 2
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -172,7 +174,13 @@ class ExpertParallel:
     """This process's place in the expert-parallel group: rank, world size, timeout, the messages of
     a step. Rank 0 leads (`leads`); see the module's docstring."""
 
-    def __init__(self, group=None, timeout_s: float = DEFAULT_TIMEOUT_S, collective: str = "all_to_all"):
+    def __init__(
+        self,
+        group=None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        collective: str = "all_to_all",
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+    ):
         if not dist.is_available() or not dist.is_initialized():
             raise ExpertParallelError(
                 "Expert parallelism needs torch.distributed initialised: start under torchrun, or call "
@@ -187,9 +195,15 @@ class ExpertParallel:
         self.stats = ExchangeStats()
         self.leader = dist.get_global_rank(group, 0) if group is not None else 0
         # step headers wait as long as a server may sit idle; gloo also for NCCL groups (a few ints)
-        self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.idle_timeout_s = idle_timeout_s
+        self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
         self.heartbeat = Heartbeat(_default_store(), dist.get_rank(), dist.get_world_size())
         self.finished = False
+        # rank 0's headers: from the model's thread (steps) and the keep-alive thread, one at a time
+        self._header_lock, self._announced = threading.Lock(), time.monotonic()
+        self._stop = threading.Event()
+        if self.leads:
+            threading.Thread(target=self._keep_alive, name="moerun-keepalive", daemon=True).start()
 
     @property
     def leads(self) -> bool:
@@ -246,9 +260,27 @@ class ExpertParallel:
             raise ExpertParallelError(
                 "rank 0 already released the other ranks (finish): load the model again."
             )
-        header = torch.tensor([_STEP, tokens, COLLECTIVES.index(self.collective), _DTYPES.index(dtype)])
-        self._collective("announce the step", dist.broadcast, header, self.leader, group=self.control)
+        self._announce(_STEP, tokens, COLLECTIVES.index(self.collective), _DTYPES.index(dtype))
         self.stats.begin_step(tokens)
+
+    def _announce(self, *header: int) -> None:
+        with self._header_lock:
+            if header[0] == _KEEPALIVE and self.finished:  # the others left after the last header
+                return
+            self._collective(
+                "announce a step", dist.broadcast, torch.tensor(header), self.leader, group=self.control
+            )
+            self._announced = time.monotonic()
+
+    def _keep_alive(self) -> None:
+        """Rank 0: a "still here" header whenever a quarter of the idle timeout passed without one."""
+        period = self.idle_timeout_s / 4
+        while not self._stop.wait(min(period, max(0.0, self._announced + period - time.monotonic()))):
+            if time.monotonic() - self._announced >= period:
+                try:
+                    self._announce(_KEEPALIVE, 0, 0, 0)
+                except ExpertParallelError:  # the others are gone: the next step says so
+                    return
 
     def share_inputs(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: str) -> None:
         """Rank 0: a MoE layer's normed hidden states x [T, H] and routing (ids, weights [T, k]) to
@@ -268,11 +300,11 @@ class ExpertParallel:
         if self.finished or not dist.is_initialized():
             return
         self.finished = True
+        self._stop.set()
         self.heartbeat.stop()
         if self.leads:
-            header = torch.tensor([_FINISH, 0, 0, 0])
-            with contextlib.suppress(Exception):  # the others are gone already: nothing to release
-                dist.broadcast(header, self.leader, group=self.control)
+            with contextlib.suppress(ExpertParallelError):  # the others are gone already: nothing to release
+                self._announce(_FINISH, 0, 0, 0)
 
     # the other ranks' side
 
@@ -280,10 +312,11 @@ class ExpertParallel:
         """Another rank: wait for rank 0's next forward pass -> (its tokens, its activation dtype),
         or None once rank 0 is finished."""
         header = torch.empty(4, dtype=torch.int64)
-        self._collective(
-            "wait for rank 0's next step", dist.broadcast, header, self.leader, group=self.control
-        )
-        kind, tokens, collective, dtype = header.tolist()
+        kind = _KEEPALIVE
+        while kind == _KEEPALIVE:
+            what = "wait for rank 0's next step"
+            self._collective(what, dist.broadcast, header, self.leader, group=self.control)
+            kind, tokens, collective, dtype = header.tolist()
         if kind == _FINISH:
             self.finished = True
             self.heartbeat.stop()
@@ -293,12 +326,12 @@ class ExpertParallel:
         return tokens, _DTYPES[dtype]
 
     def receive_inputs(
-        self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype, layer: str
+        self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype, layer: str, device=None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Another rank: a MoE layer's inputs from rank 0 -> x [T, H] in `dtype`, ids int64 and
-        weights fp32 [T, k]."""
+        weights fp32 [T, k], on `device` (the layer's: NCCL moves CUDA tensors)."""
         start = time.perf_counter()
-        packed = torch.empty((tokens, hidden + 2 * top_k), dtype=torch.float32)
+        packed = torch.empty((tokens, hidden + 2 * top_k), dtype=torch.float32, device=device)
         what = f"{layer}: receive the layer's inputs"
         self._collective(what, dist.broadcast, packed, self.leader, group=self.group)
         self.stats.last.exchange_ms += 1e3 * (time.perf_counter() - start)

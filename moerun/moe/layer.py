@@ -311,7 +311,10 @@ class MoELayer:
         tokens: its inputs received, its own experts' rows computed (fetched first when streamed)
         and sent back."""
         spec = self.spec
-        x, ids, weights = self.parallel.receive_inputs(tokens, spec.hidden, spec.top_k, dtype, self.name)
+        device = self.tensors["router.weight"].device
+        x, ids, weights = self.parallel.receive_inputs(
+            tokens, spec.hidden, spec.top_k, dtype, self.name, device
+        )
         trace = layer_trace(self.name)
 
         def step(x: torch.Tensor, after_fetch: None) -> None:

@@ -454,6 +454,46 @@ def test_the_expert_parallel_bench_runs_both_sides(tmp_path):
     assert "one process" in first["table"]
 
 
+def _with_tokenizer(path):
+    """A tiny OLMoE checkpoint with a trained byte-level tokenizer."""
+    from tiny_tokenizers import byte_level_tokenizer, save_hf_dir
+
+    tok = byte_level_tokenizer("qwen2")
+    save_hf_dir(tok, path, tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>")
+    save_model(make_model("olmoe", vocab_size=tok.get_vocab_size()), path)
+    return path
+
+
+def test_torchrun_scores_perplexity_expert_parallel(tmp_path):
+    """`torchrun --nproc-per-node 2 -m moerun perplexity ...`: rank 0 alone prints, the perplexity
+    one process computes (torch backend, fp32, one thread a process: the same bits)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = _with_tokenizer(tmp_path / "scored")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 12)
+    args = ["perplexity", "-m", str(path), "--file", str(text), "--ctx-size", "64", "--dtype", "fp32"]
+    args += ["--backend", "torch", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    alone = subprocess.run([sys.executable, "-m", "moerun", *args], capture_output=True, text=True, env=env)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), "-m", "moerun", *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone prints
+    ours, theirs = json.loads(lines[0]), json.loads(alone.stdout)
+    assert ours["perplexity"] == theirs["perplexity"] and ours["tokens"] == theirs["tokens"] > 64
+
+
 def test_torchrun_serves_expert_parallel(tmp_path):
     """`torchrun --nproc-per-node 2 -m moerun serve ...` as a user starts it: rank 0 answers the
     OpenAI API (the other rank serving its experts), 4 concurrent greedy completions each give the
@@ -467,13 +507,9 @@ def test_torchrun_serves_expert_parallel(tmp_path):
     from pathlib import Path
 
     import httpx
-    from tiny_tokenizers import byte_level_tokenizer, save_hf_dir
 
     openai = pytest.importorskip("openai")
-    tok = byte_level_tokenizer("qwen2")
-    path = tmp_path / "served"
-    save_hf_dir(tok, path, tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>")
-    save_model(make_model("olmoe", vocab_size=tok.get_vocab_size()), path)
+    path = _with_tokenizer(tmp_path / "served")
     prompts = ["hello there", "the cat", "a b c d", "moerun"]
     alone = moerun.load(path, dtype=torch.float32)
     expected = ["".join(t.text for t in alone.generate(p, 8)) for p in prompts]

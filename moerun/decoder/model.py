@@ -318,6 +318,8 @@ class MoEModel:
         x = self._embed(ids).reshape(-1).float().contiguous()  # [H] fp32, updated in place
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
+        if self.expert_parallel is not None:  # the MoE layers' inputs are fp32 here
+            self.expert_parallel.begin_step(1, torch.float32)
         for i, (step, mlp) in enumerate(zip(self._native_steps, self.mlps, strict=True)):
             step(x, cache.keys[i], cache.values[i], pos, cos, sin, self._int8)
             if not self.config.moe_layers[i]:

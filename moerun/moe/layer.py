@@ -327,9 +327,9 @@ class MoELayer:
 
     @property
     def decodes_natively(self) -> bool:
-        """Whether `decode_token` runs here: the layer is on the cpu backend (native kernels), its
-        experts all on this process."""
-        return hasattr(self.backend, "route_token") and self.parallel is None
+        """Whether `decode_token` runs here: the layer is on the cpu backend (native kernels), and
+        this process runs the model (with expert parallelism: rank 0)."""
+        return hasattr(self.backend, "route_token") and (self.parallel is None or self.parallel.leads)
 
     def decode_token(
         self,
@@ -356,9 +356,16 @@ class MoELayer:
         trace.router_figures(logits[None], ids.reshape(1, -1), weights.reshape(1, -1), spec.num_experts)
         self._route_ms = 1e3 * (time.perf_counter() - route_start)
         plan = TokenPlan(ids.reshape(-1).tolist(), weights.reshape(-1))  # both rules give ids ascending
+        if self.parallel is not None:  # the other ranks start on their experts while this fetches
+            ids, weights = ids.reshape(1, -1), weights.reshape(1, -1).float()
+            self.parallel.share_inputs(h[None], ids, weights, self.name)
         if self.experts.stream is not None:
-            self._fetch(plan.experts, after_fetch)
-        out = backend.token_forward(h, plan, self.experts, spec.activation, self.options)  # [H] fp32
+            self._fetch(self.owned_of(plan.experts), after_fetch)
+        if self.parallel is not None:
+            rows, batch_plan = self._parallel_rows(h[None], ids, weights, trace)
+            out = torch_backend.combine(rows, batch_plan, self.workspace)[0]  # [H] fp32
+        else:
+            out = backend.token_forward(h, plan, self.experts, spec.activation, self.options)  # [H] fp32
         if spec.shared_intermediate:
             integer = self.options.int8_on_cpu(self.dtype)
             out = out + backend.shared_expert(h[None], t, spec.activation, self.options, integer)[0]

@@ -101,7 +101,8 @@ def _hf_model(
     held = share.size if share is not None else None
     check_model_tensors(model_config, stand_ins(tensors), sources, where=str(root), held=held)
     files = [MappedFile(f.path, f.mapped) for f in checkpoint.shards]
-    return converted(tensors, sources, dtype, release, streamed), files
+    experts_only = share is not None and share.rank != 0
+    return converted(tensors, sources, dtype, release, streamed, experts_only), files
 
 
 def converted(
@@ -110,16 +111,18 @@ def converted(
     dtype: torch.dtype,
     release: Callable[[str], None],
     streamed: bool = False,
+    experts_only: bool = False,
 ) -> dict:
     """Dense floating tensors in their compute dtype (router tensors in fp32), converted one at a
     time and each source's mapped pages released after, so a file in another dtype is never held
     in memory next to the whole converted model. Same-dtype tensors stay views of the file; so do
-    the expert projections when `streamed`."""
+    the expert projections when `streamed`, and everything but them when `experts_only` (expert
+    parallelism, a rank other than 0: it never computes the dense part)."""
     out = {}
     for name, tensor in tensors.items():
         _, moe, within = name.partition(".moe.")
         target = torch.float32 if moe and within in FP32_TENSORS else dtype
-        if streamed and _STREAMED.search(name):
+        if (streamed and _STREAMED.search(name)) or (experts_only and not within.startswith("experts.")):
             out[name] = tensor
             continue
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != target:

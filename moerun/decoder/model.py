@@ -101,8 +101,18 @@ class MoEModel:
             functools.partial(linear, native=True, integer=self._int8) if native else linear
         )
 
+        # expert parallelism, the ranks other than 0: they compute only their experts, never the
+        # dense part, so it is held as storage-free stand-ins (shapes only, nothing read or copied)
+        serves_experts_only = expert_parallel is not None and not expert_parallel.leads
+
         def dense(name: str) -> torch.Tensor | QTensor:
             t = tensors[name]
+            if serves_experts_only:
+                if isinstance(t, QTensor):
+                    return QTensor(
+                        t.format, t.shape, torch.empty(t.data.shape, dtype=torch.uint8, device="meta")
+                    )
+                return torch.empty(t.shape, dtype=dtype, device="meta")
             # streaming: the dense part is resident, off the file's map (only the store reads the file)
             own = expert_cache is not None
             if isinstance(t, QTensor) and native and len(t.shape) == 2:  # a linear's weight, kept as stored

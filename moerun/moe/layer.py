@@ -100,6 +100,7 @@ class MoELayer:
         stream=None,
         options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
         parallel=None,
+        device: torch.device | str | None = None,
     ):
         """`stream` (a moerun.offload.LayerStream): the expert projections in `tensors` stay on the
         host and each step's experts are fetched into the shared expert cache's slots. `options`:
@@ -108,6 +109,7 @@ class MoELayer:
         the experts (`parallel.shard(E).owned`), and each step's rows are exchanged with the other
         ranks before the combine."""
         self.spec = spec
+        self.device = torch.device(device) if device is not None else tensors["router.weight"].device
         self.options = options
         self.name = name
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -167,6 +169,8 @@ class MoELayer:
             tensors, held = shard.cut(tensors), shard.size
         check_tensors(spec, tensors, name, held=held)
         dtype = dtype or _compute_dtype(tensors)
+        # expert parallelism, a rank other than 0: it computes its experts' rows, nothing else
+        serves_experts_only = parallel is not None and not parallel.leads
         placed = {}
         for key, tensor in tensors.items():
             if stream is not None and key in _EXPERT_PROJECTIONS:
@@ -177,9 +181,12 @@ class MoELayer:
                 # quantised kernels' sums do not depend on an address
                 placed[key] = QTensor(tensor.format, tensor.shape, tensor.data.to(device).contiguous())
                 continue
+            target = torch.float32 if key in FP32_TENSORS else dtype
+            if serves_experts_only and not key.startswith("experts."):  # rank 0 routes, adds the shared
+                placed[key] = torch.empty(tensor.shape, dtype=target, device="meta")
+                continue
             if isinstance(tensor, QTensor):  # small non-expert tensors are used dense
                 tensor = dequantize(tensor)
-            target = torch.float32 if key in FP32_TENSORS else dtype
             placed[key] = place(tensor, device, target, own=stream is not None)
         return cls(
             spec,
@@ -191,6 +198,7 @@ class MoELayer:
             stream=stream,
             options=options,
             parallel=parallel,
+            device=device or "cpu",
         )
 
     def __call__(
@@ -311,9 +319,8 @@ class MoELayer:
         tokens: its inputs received, its own experts' rows computed (fetched first when streamed)
         and sent back."""
         spec = self.spec
-        device = self.tensors["router.weight"].device
         x, ids, weights = self.parallel.receive_inputs(
-            tokens, spec.hidden, spec.top_k, dtype, self.name, device
+            tokens, spec.hidden, spec.top_k, dtype, self.name, self.device
         )
         trace = layer_trace(self.name)
 

@@ -37,9 +37,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         raise ValueError(f"--ctx-size must be >= 1, got {args.ctx_size}.")
     if args.stride is not None and not 0 < args.stride <= (args.ctx_size or args.stride):
         raise ValueError(f"--stride must be in [1, --ctx-size], got {args.stride}.")
-    text = read_text(args.file)
-    if (status := serve_experts_for_rank_0(args)) is not None:
+    if (status := serve_experts_for_rank_0(args)) is not None:  # rank 0 alone reads the text
         return status
+    text = read_text(args.file)
     model = load_with_progress(args, err)
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot score a text file.")

@@ -42,6 +42,7 @@ class Settings:
     torchrun_keys: frozenset[str] = frozenset()  # which of TORCHRUN_KEYS are set
     world_size: int = 1  # WORLD_SIZE: the processes torchrun started
     rank: int = 0  # RANK: this one's
+    local_rank: int = 0  # LOCAL_RANK: this one's on its machine (its GPU, with NCCL)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -73,6 +74,7 @@ class Settings:
             torchrun_keys=frozenset(k for k in TORCHRUN_KEYS if k in environ),
             world_size=_count(environ, "WORLD_SIZE", 1),
             rank=_count(environ, "RANK", 0),
+            local_rank=_count(environ, "LOCAL_RANK", 0),
         )
 
 

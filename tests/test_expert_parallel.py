@@ -19,6 +19,7 @@ from hf_models import VOCAB, make_model, save_gpt_oss_mxfp4, save_model
 
 import moerun
 from moerun.distributed import ExpertParallel, ExpertParallelError, ExpertShard
+from moerun.quant.formats import QTensor
 
 IDS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
 PROMPT = IDS[0, :6].tolist()
@@ -50,6 +51,7 @@ def _rank(
         ep = ExpertParallel(timeout_s=TIMEOUT_S, collective=collective)
         model = moerun.load(path, dtype=torch.float32, backend=backend, expert_parallel=ep, **options)
         result["held"] = [int(m.experts.gate_up.shape[0]) for m in model.mlps if hasattr(m, "experts")]
+        result["first"] = _expert(next(m for m in model.mlps if hasattr(m, "experts")).experts.gate_up, 0)
         if model.expert_cache is not None:  # streamed: note every expert the rank's store reads
             store, result["read"] = model.expert_cache.store, set()
             read_into = store.read_into
@@ -71,9 +73,19 @@ def _rank(
     except ExpertParallelError as e:
         result["error"] = str(e)
         result["error_at"] = time.monotonic()
+        if rank == 0:  # the group is unusable: the next step says so at once, waiting for nothing
+            try:
+                model.logits(IDS)
+            except ExpertParallelError as again:
+                result["again"] = str(again)
     torch.save(result, os.path.join(out, f"{rank}.pt"))
     if "error" not in result:
         dist.destroy_process_group()
+
+
+def _expert(t, e: int) -> torch.Tensor:
+    """Expert e of a stacked expert tensor [E, ...] (a QTensor's: its bytes)."""
+    return t.data[e] if isinstance(t, QTensor) else t[e]
 
 
 def _die_in_step(ep: ExpertParallel, step: int) -> None:
@@ -195,13 +207,14 @@ def test_ranks_give_one_process_s_logits_and_tokens(checkpoint, world, backend, 
     moe = next(m for m in alone.mlps if hasattr(m, "experts"))
     inputs = results[0]["stats"]["tokens"] * (moe.spec.hidden + 2 * moe.spec.top_k) * 4
     assert results[0]["stats"]["sent_bytes"] == (world - 1) * sum(alone.config.moe_layers) * inputs
-    if collective == "all_to_all":
-        assert results[0]["stats"]["received_bytes"] == sum(r["stats"]["sent_bytes"] for r in results[1:])
-    # every expert held by exactly one rank
-    assert (
-        sum(ExpertShard(r, world, experts).stop - ExpertShard(r, world, experts).start for r in range(world))
-        == experts
-    )
+    assert results[0]["stats"]["received_bytes"] == sum(r["stats"]["sent_bytes"] for r in results[1:])
+    # the ranks' shares hold every expert once: their sizes add up, and (torch's tensors, comparable
+    # as they are) a rank's first expert is one process's expert at its share's start
+    assert sum(r["held"][0] for r in results) == experts
+    if backend == "torch":
+        for rank, r in enumerate(results):
+            start = ExpertShard(rank, world, experts).start
+            assert torch.equal(r["first"], _expert(moe.experts.gate_up, start))
 
 
 @pytest.mark.parametrize("name, backend", [("olmoe", "torch"), ("olmoe-gguf-q4_k", "auto")])
@@ -236,6 +249,7 @@ def test_a_rank_that_dies_stops_the_others_with_a_clear_error(dead, tmp_path):
     assert f"rank {dead} stopped answering" in error and f"rank {1 - dead} of 2 could not" in error, error
     if dead == 1:
         assert "layers." in error, error  # rank 0 was in a MoE layer of the step
+        assert results[0]["again"] == f"the expert-parallel group failed in an earlier step: {error}"
     assert results[1 - dead]["error_at"] - start <= 120 + TIMEOUT_S
 
 
@@ -406,6 +420,10 @@ def test_torchrun_runs_the_checkpoint_bench_expert_parallel(tmp_path):
     ep = r["expert_parallel"]
     assert ep["placement"] == "rank 0 of 2: experts 0-3 of 8"
     assert ep["steps"] > 0 and ep["sent_bytes"] > 0 and ep["received_bytes"] > 0 and r["decode_tok_s"] > 0
+    # the weights a token reads are the model's, wherever its experts are: one process's count
+    from moerun.bench.weight_bytes import model_decode_bytes
+
+    assert r["bytes_per_token"] == model_decode_bytes(moerun.load(path, dtype=torch.float32))
 
 
 def _bench_rank(rank: int, world: int, init: str, out: str) -> None:

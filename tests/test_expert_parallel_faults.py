@@ -59,7 +59,7 @@ def _rank(
             "gloo", init_method=f"file://{init}", rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=TIMEOUT_S),
         )  # fmt: skip
-        ep = ExpertParallel(timeout_s=TIMEOUT_S)
+        ep = ExpertParallel()  # its default timeout_s (60): the group's (TIMEOUT_S) is the one that counts
     result = {}
     try:
         if warm is not None:
@@ -228,3 +228,99 @@ def test_a_rank_holds_only_its_share_of_the_experts(big_olmoe, layout, dtype, tm
     assert f"{ranks[0]['stats']['rss_mb']:.0f} MiB resident" in summary(
         {"expert_parallel": ranks[0]["stats"]}
     )
+
+
+class _Injected(Exception):
+    """An error of rank 0's own, partway through a step (not the group's)."""
+
+
+def _fail_once(obj, method: str, error: BaseException, when=lambda *args: True) -> None:
+    """obj.method raises `error` at its first call for which when(*args) holds, then is obj's own again."""
+    original = getattr(obj, method)
+
+    def failing(*args, **kwargs):
+        if not when(*args):
+            return original(*args, **kwargs)
+        del obj.__dict__[method]
+        raise error
+
+    setattr(obj, method, failing)
+
+
+def _failing_rank(rank: int, init: str, path: str, out: str, backend: str, collective: str) -> None:
+    """Rank 0 computes logits and a greedy generation, then fails four steps partway through (its
+    own errors at each place a step can be in: before any MoE layer's inputs are sent, between a
+    layer's inputs sent and its rows brought back (Ctrl-C), between two layers, in a decode step),
+    then computes them again; the other rank serves throughout."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )  # fmt: skip
+    ep = ExpertParallel(timeout_s=TIMEOUT_S, collective=collective)
+    model = moerun.load(path, dtype=torch.float32, backend=backend, expert_parallel=ep)
+    result = {"raised": []}
+    try:
+        if rank == 0:
+            first, second, *_ = (m for m in model.mlps if hasattr(m, "experts"))
+            result["before"] = model.logits(IDS), [t.id for t in model.generate(PROMPT, 6)]
+            failures = [
+                (first, "forward", _Injected("before any layer")),
+                (second, "_parallel_rows", KeyboardInterrupt()),
+                (second, "forward", _Injected("between layers")),
+            ]
+            for layer, method, error in failures:
+                _fail_once(layer, method, error)
+                try:
+                    model.logits(IDS)
+                except (_Injected, KeyboardInterrupt) as e:
+                    result["raised"].append(type(e).__name__)
+            tokens = model.generate(PROMPT, 6)
+            next(tokens)  # the prompt's step done: the next ones decode one token
+            _fail_once(first, "_parallel_rows", _Injected("decode"), when=lambda x, *rest: x.shape[0] == 1)
+            try:
+                list(tokens)
+            except _Injected as e:
+                result["raised"].append(type(e).__name__)
+            result["after"] = model.logits(IDS), [t.id for t in model.generate(PROMPT, 6)]
+            model.close()
+        else:
+            model.serve_experts()
+        result["stats"] = model.stats()["expert_parallel"]
+    except ExpertParallelError as e:
+        result["error"] = str(e)
+    torch.save(result, os.path.join(out, f"failing-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+IDS = torch.tensor([PROMPT, PROMPT[::-1]])
+
+
+@pytest.mark.parametrize(
+    "backend, collective", [("torch", "all_to_all"), ("cpu", "all_to_all"), ("torch", "reduce")]
+)
+def test_a_step_failing_partway_on_rank_0_leaves_the_group_serving(backend, collective, tmp_path):
+    """Rank 0's own error partway through a step (a bad value, Ctrl-C in chat, a request's error
+    in a server) reaches its caller as it was raised, and the other ranks, left inside the step,
+    are released from it: the next steps give the logits and tokens they gave before, bit for bit,
+    and the other rank counts each step called off."""
+    path = save_model(make_model("olmoe", num_experts=5), tmp_path / "olmoe")
+    context = multiprocessing.get_context("spawn")
+    init = tmp_path / "init-failing"
+    ranks = [
+        context.Process(
+            target=_failing_rank, args=(r, str(init), str(path), str(tmp_path), backend, collective)
+        )
+        for r in range(2)
+    ]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120 + 4 * TIMEOUT_S)
+        assert p.exitcode == 0
+    lead, other = (torch.load(tmp_path / f"failing-{r}.pt") for r in range(2))
+    assert "error" not in lead and "error" not in other, (lead.get("error"), other.get("error"))
+    assert lead["raised"] == ["_Injected", "KeyboardInterrupt", "_Injected", "_Injected"]
+    assert torch.equal(lead["before"][0], lead["after"][0]) and lead["before"][1] == lead["after"][1]
+    assert lead["stats"]["abandoned"] == other["stats"]["abandoned"] == 4
+    assert lead["stats"]["steps"] == other["stats"]["steps"]

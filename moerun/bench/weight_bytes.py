@@ -45,9 +45,9 @@ def model_decode_bytes(model: MoEModel) -> int:
         if not config.moe_layers[i]:
             total += tensor_bytes(mlp.gate_up) + tensor_bytes(mlp.down)
             continue
-        for name, t in mlp.tensors.items():
-            share = (mlp.spec.top_k, mlp.spec.num_experts) if name.startswith("experts.") else (1, 1)
-            total += tensor_bytes(t) // share[1] * share[0]  # [E, ...]: one expert's bytes, k times
+        for name, t in mlp.tensors.items():  # experts [E, ...] (a rank's share with expert parallelism):
+            share = (mlp.spec.top_k, t.shape[0]) if name.startswith("experts.") else (1, 1)
+            total += tensor_bytes(t) // share[1] * share[0]  # one expert's bytes, k times
     return total
 
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -186,6 +187,9 @@ class MoEModel:
         moe_layers = [i for i, moe in enumerate(config.moe_layers) if moe]
         self._next_moe = {a: b for a, b in zip(moe_layers, moe_layers[1:], strict=False)}
         self._moes = [self.mlps[i] for i in moe_layers]
+        if expert_parallel is not None:
+            moe = config.moe
+            expert_parallel.bind(len(moe_layers), moe.hidden, moe.top_k, moe.num_experts, self.device)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         if max_len > self.config.max_positions:
@@ -284,22 +288,27 @@ class MoEModel:
         x = self._embed(ids.to(self.device)).to(act_dtype)  # [B, T, H]
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
-        if self.expert_parallel is not None:  # the other ranks serve this pass's MoE layers
-            self.expert_parallel.begin_step(ids.numel(), act_dtype)
         # each MoE layer's router-logit check, read back once for the whole pass rather than once a
         # layer (a host sync per layer would stall a GPU between layers)
         checks: list[RouterCheck] = []
-        for i, (attn, mlp) in enumerate(zip(self.attentions, self.mlps, strict=True)):
-            x = x + self._residual(attend(i, attn, self._attn_norm(i, x), cos_sin))
-            h = self._mlp_norm(i, x)
-            if not self.config.moe_layers[i]:
-                x = x + self._residual(mlp(h))
-                continue
-            x = x + self._residual(mlp(h, after_fetch=self._after_fetch(i, x), router_checks=checks))
+        with self._parallel_step(ids.numel(), act_dtype):
+            for i, (attn, mlp) in enumerate(zip(self.attentions, self.mlps, strict=True)):
+                x = x + self._residual(attend(i, attn, self._attn_norm(i, x), cos_sin))
+                h = self._mlp_norm(i, x)
+                if not self.config.moe_layers[i]:
+                    x = x + self._residual(mlp(h))
+                    continue
+                x = x + self._residual(mlp(h, after_fetch=self._after_fetch(i, x), router_checks=checks))
         raise_on_bad_router_logits(checks)
         if self.expert_cache is not None:
             self.expert_cache.end_step()
         return normed(x, self.norm, self.norm_bias, self.config.norm_eps).to(self.dtype)
+
+    def _parallel_step(self, tokens: int, dtype: torch.dtype):
+        """Expert parallelism on rank 0: the other ranks serve the MoE layers of the pass this block
+        runs, of `tokens` tokens with activations in `dtype` (ExpertParallel.step); else nothing."""
+        ep = self.expert_parallel
+        return ep.step(tokens, dtype) if ep is not None else contextlib.nullcontext()
 
     def _attn_norm(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return normed(x, self.attn_norms[i], self.attn_norm_biases[i], self.config.norm_eps)
@@ -328,14 +337,13 @@ class MoEModel:
         x = self._embed(ids).reshape(-1).float().contiguous()  # [H] fp32, updated in place
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
-        if self.expert_parallel is not None:  # the MoE layers' inputs are fp32 here
-            self.expert_parallel.begin_step(1, torch.float32)
-        for i, (step, mlp) in enumerate(zip(self._native_steps, self.mlps, strict=True)):
-            step(x, cache.keys[i], cache.values[i], pos, cos, sin, self._int8)
-            if not self.config.moe_layers[i]:
-                x += mlp(rms_norm(x, self._norms32[i], eps))
-                continue
-            mlp.decode_token(x, self._norms32[i], eps, self._after_fetch(i, x))
+        with self._parallel_step(1, torch.float32):  # the MoE layers' inputs are fp32 here
+            for i, (step, mlp) in enumerate(zip(self._native_steps, self.mlps, strict=True)):
+                step(x, cache.keys[i], cache.values[i], pos, cos, sin, self._int8)
+                if not self.config.moe_layers[i]:
+                    x += mlp(rms_norm(x, self._norms32[i], eps))
+                    continue
+                mlp.decode_token(x, self._norms32[i], eps, self._after_fetch(i, x))
         cache.length = pos + 1
         if self.expert_cache is not None:
             self.expert_cache.end_step()
@@ -461,7 +469,8 @@ class MoEModel:
                 if self.expert_cache is not None:
                     self.expert_cache.begin_step()
                 for layer in layers:
-                    layer.serve_step(tokens, dtype)
+                    if not layer.serve_step(tokens, dtype):
+                        break  # rank 0 called off the rest of the step (an error there)
                 if self.expert_cache is not None:
                     self.expert_cache.end_step()
 

@@ -21,7 +21,14 @@ into rank 0 of the whole [T*k, H] buffer, zero outside each rank's span (exact: 
 value plus zeros). docs/PERFORMANCE.md has both measured; `moerun bench --model --expert-parallel`
 measures both in one run.
 
-Waiting: a step's collectives wait at most `timeout_s`. Between steps the other ranks wait on the
+A step that fails partway on rank 0 (its own error: a bad value, Ctrl-C in chat, a request's error
+in a server) leaves the others inside it; rank 0 completes the layer whose inputs they hold (it
+takes their rows and drops them) and calls off the rest of the step with one message, so they wait
+for the next step and the group goes on serving (`step`). A failed collective (a rank gone) leaves
+the group unusable: the next step says so at once.
+
+Waiting: a step's collectives wait as long as the group's timeout (`from_env` sets up the group with
+`timeout_s`), and an error says how long that was. Between steps the other ranks wait on the
 control group for rank 0's next header, up to `idle_timeout_s`; a server may sit idle far longer,
 so while no step is announced rank 0 sends a "still here" header every quarter of that. A
 collective that fails names the ranks that stopped answering (moerun.distributed.heartbeat).
@@ -152,6 +159,7 @@ class ExchangeStats:
     """Per rank: every step so far summed (`total`), the last step, and the steps counted."""
 
     steps: int = 0
+    abandoned: int = 0  # steps rank 0 called off partway (an error there)
     total: StepFigures = field(default_factory=StepFigures)
     last: StepFigures = field(default_factory=StepFigures)
 
@@ -167,7 +175,12 @@ class ExchangeStats:
         return out
 
     def as_dict(self) -> dict:
-        return {"steps": self.steps, **self.summed().as_dict(), "last_step": self.last.as_dict()}
+        return {
+            "steps": self.steps,
+            "abandoned": self.abandoned,
+            **self.summed().as_dict(),
+            "last_step": self.last.as_dict(),
+        }
 
 
 class ExpertParallel:
@@ -202,6 +215,11 @@ class ExpertParallel:
         # rank 0's headers: from the model's thread (steps) and the keep-alive thread, one at a time
         self._header_lock, self._announced = threading.Lock(), time.monotonic()
         self._stop = threading.Event()
+        # rank 0: the model's step shape (bind), and where the current step stands, so that a step
+        # failing partway can be completed for the others (step); why the group is unusable, if it is
+        self._layers, self._width, self._num_experts, self._device = 0, 0, 0, torch.device("cpu")
+        self._tokens, self._layers_left, self._open = 0, 0, None
+        self.broken: str | None = None
         if self.leads:
             threading.Thread(target=self._keep_alive, name="moerun-keepalive", daemon=True).start()
 
@@ -224,6 +242,8 @@ class ExpertParallel:
                     "start with `torchrun --nproc-per-node W -m moerun ...`."
                 )
             backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+            if backend == "nccl":  # each process on its machine's GPU LOCAL_RANK, as torchrun means
+                torch.cuda.set_device(settings().local_rank)
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
             # a group left to the interpreter's exit can abort it ("terminate called without an
             # active exception" from gloo's threads): the group joined here is left here
@@ -246,7 +266,53 @@ class ExpertParallel:
             for s in (ExpertShard(r, self.world, num_experts) for r in range(self.world))
         ]
 
+    def bind(self, moe_layers: int, hidden: int, top_k: int, num_experts: int, device) -> None:
+        """The model this group runs: its MoE layers' count and shape, and its device."""
+        self._layers, self._width, self._num_experts = moe_layers, hidden + 2 * top_k, num_experts
+        self._device = torch.device(device)
+
     # rank 0's side of a step
+
+    @contextlib.contextmanager
+    def step(self, tokens: int, dtype: torch.dtype):
+        """Rank 0: a forward pass (`begin_step`) around the block that runs it. Should the block
+        raise partway (its own error), the other ranks are still inside the step: the layer whose
+        inputs they hold is completed (their rows taken and dropped) and the rest of the step is
+        called off, so they wait for the next one. Should a collective fail (a rank gone), the group
+        is unusable, and the next step says so at once."""
+        self.begin_step(tokens, dtype)
+        try:
+            yield
+        except ExpertParallelError as e:
+            self.broken = str(e)
+            raise
+        except BaseException:
+            self._abandon()
+            raise
+        if self._layers_left or self._open is not None:  # the model skipped a MoE layer: a bug
+            self._abandon()
+            raise ExpertParallelError(f"rank 0 ran a step without {self._layers_left} of its MoE layers.")
+
+    def _abandon(self) -> None:
+        """Rank 0: complete the layer whose inputs the others hold (their rows received, dropped),
+        then call off the step's other layers (inputs whose first id is -1). A collective failing
+        here leaves the group unusable (`broken`), the error that ended the step going on."""
+        try:
+            if self._open is not None:
+                ids, layer = self._open
+                counts = torch.bincount(ids.reshape(-1).cpu(), minlength=self._num_experts)
+                offsets = [0, *counts.cumsum(0).tolist()]
+                rows = torch.zeros((ids.numel(), self._width - 2 * ids.shape[1]), device=ids.device)
+                self.exchange(rows, self.spans(offsets, self._num_experts), layer)
+            if self._layers_left:
+                called_off = torch.full((self._tokens, self._width), -1.0, device=self._device)
+                what = "call off the rest of the step"
+                self._collective(what, dist.broadcast, called_off, self.leader, group=self.group)
+            self.stats.abandoned += 1
+        except ExpertParallelError as e:
+            self.broken = str(e)
+        finally:
+            self._open, self._layers_left = None, 0
 
     def begin_step(self, tokens: int, dtype: torch.dtype) -> None:
         """Rank 0: a forward pass of `tokens` tokens with activations in `dtype` starts; the other
@@ -260,8 +326,11 @@ class ExpertParallel:
             raise ExpertParallelError(
                 "rank 0 already released the other ranks (finish): load the model again."
             )
+        if self.broken is not None:
+            raise ExpertParallelError(f"the expert-parallel group failed in an earlier step: {self.broken}")
         self._announce(_STEP, tokens, COLLECTIVES.index(self.collective), _DTYPES.index(dtype))
         self.stats.begin_step(tokens)
+        self._tokens, self._layers_left, self._open = tokens, self._layers, None
 
     def _announce(self, *header: int) -> None:
         with self._header_lock:
@@ -290,6 +359,7 @@ class ExpertParallel:
         self._collective(
             f"{layer}: send the layer's inputs", dist.broadcast, packed, self.leader, group=self.group
         )
+        self._layers_left, self._open = self._layers_left - 1, (ids, layer)
         step = self.stats.last
         step.sent_bytes += (self.world - 1) * packed.numel() * packed.element_size()
         step.exchange_ms += 1e3 * (time.perf_counter() - start)
@@ -302,7 +372,7 @@ class ExpertParallel:
         self.finished = True
         self._stop.set()
         self.heartbeat.stop()
-        if self.leads:
+        if self.leads and self.broken is None:  # a broken group: nobody to release
             with contextlib.suppress(ExpertParallelError):  # the others are gone already: nothing to release
                 self._announce(_FINISH, 0, 0, 0)
 
@@ -327,14 +397,18 @@ class ExpertParallel:
 
     def receive_inputs(
         self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype, layer: str, device=None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Another rank: a MoE layer's inputs from rank 0 -> x [T, H] in `dtype`, ids int64 and
-        weights fp32 [T, k], on `device` (the layer's: NCCL moves CUDA tensors)."""
+        weights fp32 [T, k], on `device` (the layer's: NCCL moves CUDA tensors); None where rank 0
+        called off the rest of the step (an error there)."""
         start = time.perf_counter()
         packed = torch.empty((tokens, hidden + 2 * top_k), dtype=torch.float32, device=device)
         what = f"{layer}: receive the layer's inputs"
         self._collective(what, dist.broadcast, packed, self.leader, group=self.group)
         self.stats.last.exchange_ms += 1e3 * (time.perf_counter() - start)
+        if packed[0, hidden].item() < 0:
+            self.stats.abandoned += 1
+            return None
         x, ids, weights = packed.split([hidden, top_k, top_k], dim=1)
         return x.to(dtype).contiguous(), ids.long(), weights.contiguous()
 
@@ -375,15 +449,19 @@ class ExpertParallel:
                     what, dist.all_to_all_single, nothing, rows[first:stop], outputs, inputs, group=self.group
                 )
             sent = 0 if self.leads else (stop - first) * row_bytes
+            received = others * row_bytes if self.leads else 0
+            self._open = None
         else:  # the sum of each row's one value and the other ranks' zeros
             rows[:first].zero_()
             rows[stop:].zero_()
             self._collective(what, dist.reduce, rows, self.leader, group=self.group)
-            sent = 0 if self.leads else rows.numel() * rows.element_size()
+            whole = rows.numel() * rows.element_size()  # every rank sends its whole buffer
+            sent, received = (0, (self.world - 1) * whole) if self.leads else (whole, 0)
+            self._open = None
         step = self.stats.last
         step.exchanges += 1
         step.sent_bytes += sent
-        step.received_bytes += others * row_bytes if self.leads else 0
+        step.received_bytes += received
         step.exchange_ms += 1e3 * (time.perf_counter() - start)
 
     def _collective(self, what: str, collective, *args, **kwargs) -> None:
@@ -392,9 +470,20 @@ class ExpertParallel:
         try:
             collective(*args, **kwargs)
         except Exception as e:  # gloo/NCCL: a peer closed the connection, or the timeout passed
-            raise ExpertParallelError(self._failure(what, e)) from None
+            raise ExpertParallelError(self._failure(what, e, kwargs.get("group"))) from None
 
-    def _failure(self, what: str, error: Exception) -> str:
+    def _wait_s(self, group) -> float:
+        """How long `group`'s collectives wait: the timeout it was set up with (torch keeps it in
+        its backend's options), else ours."""
+        if group is self.control:
+            return self.idle_timeout_s
+        try:
+            pg = group if group is not None else dist.distributed_c10d._get_default_group()
+            return pg._get_backend(self._device).options._timeout.total_seconds()
+        except Exception:
+            return self.timeout_s
+
+    def _failure(self, what: str, error: Exception, group=None) -> str:
         silent = self.heartbeat.silent()
         if silent:
             named = ", ".join(map(str, silent))
@@ -405,13 +494,19 @@ class ExpertParallel:
             who = "a rank died, or hung"
         return (
             f"rank {self.rank} of {self.world} could not {what}: {who}; collectives wait up to "
-            f"{self.timeout_s:.0f} s ({str(error).splitlines()[0][:160]})"
+            f"{self._wait_s(group):.0f} s ({str(error).splitlines()[0][:160]})"
         )
 
     def check_same(self, what: str, text: str) -> None:
         """Refuse to start unless every rank has the same `text` (a checkpoint's config, the options):
         their digests are gathered and compared; the first rank that differs is named."""
-        digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()[:8]), dtype=torch.int64)
+        # NCCL gathers CUDA tensors only (on this process's GPU)
+        on = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(self.group) == "nccl"
+            else "cpu"
+        )
+        digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()[:8]), dtype=torch.int64, device=on)
         gathered = [torch.empty_like(digest) for _ in range(self.world)]
         try:
             dist.all_gather(gathered, digest, group=self.group)

@@ -314,14 +314,15 @@ class MoELayer:
             self.parallel.exchange(rows, spans, self.name)
         return rows, plan
 
-    def serve_step(self, tokens: int, dtype: torch.dtype) -> None:
+    def serve_step(self, tokens: int, dtype: torch.dtype) -> bool:
         """Expert parallelism, a rank other than 0: this layer's part of rank 0's step of `tokens`
         tokens: its inputs received, its own experts' rows computed (fetched first when streamed)
-        and sent back."""
+        and sent back. False where rank 0 called off the rest of the step instead."""
         spec = self.spec
-        x, ids, weights = self.parallel.receive_inputs(
-            tokens, spec.hidden, spec.top_k, dtype, self.name, self.device
-        )
+        inputs = self.parallel.receive_inputs(tokens, spec.hidden, spec.top_k, dtype, self.name, self.device)
+        if inputs is None:
+            return False
+        x, ids, weights = inputs
         trace = layer_trace(self.name)
 
         def step(x: torch.Tensor, after_fetch: None) -> None:
@@ -331,6 +332,7 @@ class MoELayer:
 
         self._route_ms = 0.0  # rank 0 routed
         self._streamed_step(step, x, None)
+        return True
 
     @property
     def decodes_natively(self) -> bool:

@@ -360,3 +360,16 @@ def test_cuda_gives_the_same_bits(name):
     out = dequantize_bytes(FORMATS[name], torch.from_numpy(data).cuda())
     assert out.is_cuda
     assert_same_bits(out, gguf_dequant(name, data))
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_a_stand_in_dequantises_to_a_stand_in_of_the_values_shape(name):
+    """A storage-free QTensor (expert parallelism: a weight a rank never computes) dequantises to a
+    storage-free tensor of the shape and dtype its bytes would give, reading nothing."""
+    from moerun.quant.formats import storage_free
+
+    fmt = FORMATS[name]
+    shape = (3, 4, 2 * fmt.block_size)
+    q = QTensor(fmt, shape, torch.from_numpy(random_bytes(name, shape)))
+    values, stand_in = dequantize(q, torch.bfloat16), dequantize(storage_free(q), torch.bfloat16)
+    assert stand_in.is_meta and (stand_in.shape, stand_in.dtype) == (values.shape, values.dtype)

@@ -572,3 +572,71 @@ def test_torchrun_serves_expert_parallel(tmp_path):
     frames = [line for line in err.splitlines() if line.strip().startswith("File ")]
     package = str(Path(moerun.__file__).parent) + os.sep
     assert not [f for f in frames if package in f], err[-3000:]  # torchrun's own frames, none of moerun's
+
+
+class _Rank1Of2:
+    """What moerun.load asks of an expert-parallel group, as rank 1 of 2 (no group: the loader alone)."""
+
+    rank, world, leads = 1, 2, False
+
+    def shard(self, num_experts: int) -> ExpertShard:
+        return ExpertShard(1, 2, num_experts)
+
+    def check_same(self, what: str, text: str) -> None:
+        pass
+
+
+def _deepseek(directory, gguf: bool):
+    """DeepSeek-V3 (MLA, a dense first layer, shared experts): HF, or GGUF with q8_0 experts (its
+    kv_b split in two, the dense MLP's and shared experts' gate and up apart: the loader joins them)."""
+    from test_deepseek_gguf import deepseek
+
+    model = deepseek("v3-q-lora-interleaved", moe_intermediate_size=32)
+    if not gguf:
+        return save_model(model, directory / "deepseek")
+    write_gguf(model, directory / "deepseek.gguf", "q8_0")
+    return directory / "deepseek.gguf"
+
+
+LOADED = {
+    "deepseek_v3": lambda d: _deepseek(d, gguf=False),
+    "deepseek_v3-gguf": lambda d: _deepseek(d, gguf=True),
+    "qwen2_moe": lambda d: save_model(make_model("qwen2_moe"), d / "qwen2"),
+    "gpt_oss-mxfp4": CHECKPOINTS["gpt_oss-mxfp4"],
+    "olmoe-gguf-q4_k": CHECKPOINTS["olmoe-gguf-q4_k"],
+}
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+@pytest.mark.parametrize("name", list(LOADED))
+def test_a_rank_other_than_0_reads_nothing_but_its_experts(name, streamed, tmp_path, monkeypatch):
+    """Every rank but 0 never computes the dense part, the routers or the shared experts: the loader
+    gives it storage-free stand-ins of them (nothing read, converted or copied, whatever it makes of
+    them: fused, joined, dequantised), resident or streamed, and real tensors of its own experts
+    only (streamed: the expert store reads them when a step needs them)."""
+    import moerun.checkpoint.load as load
+
+    monkeypatch.setattr(load, "MoEModel", lambda config, tensors, **options: (config, tensors))
+    options = {"expert_cache_gb": 1.0} if streamed else {}
+    config, tensors = moerun.load(
+        LOADED[name](tmp_path), dtype=torch.float32, expert_parallel=_Rank1Of2(), **options
+    )
+    share = ExpertShard(1, 2, config.moe.num_experts)
+    experts = {k for k in tensors if ".moe.experts." in k}
+    assert experts and len(tensors) > len(experts)
+    for key, t in tensors.items():
+        data = t.data if isinstance(t, QTensor) else t
+        if key in experts:  # streamed: the model gets stand-ins, the expert store the file's bytes
+            assert streamed or (not data.is_meta and t.shape[0] == share.size), (key, t.shape)
+        else:
+            assert data.is_meta, key
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_deepseek_runs_expert_parallel(backend, tmp_path):
+    """DeepSeek-V3 from GGUF (MLA, a dense first layer, shared experts, q8_0), 2 ranks: one
+    process's logits and greedy tokens, the other rank holding stand-ins of all but its experts."""
+    path = _deepseek(tmp_path, gguf=True)
+    _, logits, tokens = _one_process(path, backend)
+    for rank, r in enumerate(_run(path, 2, tmp_path, backend=backend)):
+        _check_rank(rank, r, logits, tokens, backend)

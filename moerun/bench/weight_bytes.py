@@ -10,17 +10,13 @@ the file's format; where it dequantises a tensor they differ, and the report sho
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
-from moerun.checkpoint.gguf import gguf_model_config
+from moerun.checkpoint.gguf import GGUF_EXPERT_TENSOR, gguf_model_config
 from moerun.decoder.model import MoEModel
 from moerun.loader import GGUFFile
 from moerun.quant.formats import QTensor
-
-# routed expert tensors in a GGUF file: merged [E, out, in] (and biases [E, out]) or one per expert
-_GGUF_EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_up)(_exps\.(weight|bias)|\.\d+\.weight)")
 
 
 def tensor_bytes(t: torch.Tensor | QTensor) -> int:
@@ -64,7 +60,7 @@ def gguf_decode_bytes(path) -> int:
             total += info.nbytes // info.shape[0]  # one row
             if "output.weight" not in gguf:  # tied: the lm_head is the embedding, read whole
                 total += info.nbytes
-        elif _GGUF_EXPERTS.fullmatch(name):  # all E experts' bytes (in one tensor or E), k of them read
+        elif GGUF_EXPERT_TENSOR.fullmatch(name):  # all E experts' bytes (in one tensor or E), k of them read
             total += info.nbytes * moe.top_k // moe.num_experts
         else:
             total += info.nbytes

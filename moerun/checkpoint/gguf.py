@@ -49,7 +49,7 @@ from moerun.loader import CheckpointError, GGUFFile
 from moerun.moe.layer import StateDictError
 from moerun.offload.pieces import ExpertPieces, stand_ins
 from moerun.quant.dequant import dequantize
-from moerun.quant.formats import QTensor
+from moerun.quant.formats import QTensor, storage_free
 
 Tensor = torch.Tensor | QTensor
 
@@ -235,16 +235,41 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     )
 
 
+# the routed experts' tensors: merged [E, out, in] (and biases [E, out]) or one per expert
+GGUF_EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_up)(_exps\.(weight|bias)|\.\d+\.weight)")
+
+
+class _ExpertsOnly:
+    """A GGUF file as a rank that computes only its experts reads it (expert parallelism, every rank
+    but 0): every tensor but the routed experts' is a storage-free stand-in, so what the loader makes
+    of them (fused, joined, dequantised) is one too, and nothing of them is read or copied."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+
+    def __getattr__(self, name: str):
+        return getattr(self.gguf, name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.gguf
+
+    def tensor(self, name: str) -> Tensor:
+        t = self.gguf.tensor(name)
+        return t if GGUF_EXPERT_TENSOR.fullmatch(name) else storage_free(t)
+
+
 def gguf_model(
-    gguf: GGUFFile, assemble: bool = True, share=None
+    gguf: GGUFFile, assemble: bool = True, share=None, experts_only: bool = False
 ) -> tuple[ModelConfig, dict[str, Tensor | ExpertPieces]]:
     """The file's model config and canonical tensors; `assemble=False` leaves the routed gate/up
     experts described (`ExpertPieces`) instead of fused in RAM. `share` (expert parallelism, with
     `assemble`: a moerun.distributed.ExpertShard): every MoE layer's expert tensors hold only its
-    experts, cut before anything is copied."""
+    experts, cut before anything is copied. `experts_only` (expert parallelism, every rank but 0,
+    which never computes the rest): every other tensor a storage-free stand-in, nothing of it read."""
     model_config = gguf_model_config(gguf)
     arch = gguf.metadata["general.architecture"]
-    tensors = _canonical_tensors(gguf, arch, model_config, assemble, share)
+    source = _ExpertsOnly(gguf) if experts_only else gguf
+    tensors = _canonical_tensors(source, arch, model_config, assemble, share)
     held = None
     if share is not None:  # what was not copied is cut here: views of the file
         tensors, held = share.cut(tensors), share.size

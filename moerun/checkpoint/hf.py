@@ -20,7 +20,7 @@ from moerun.errors import TensorError, quote
 from moerun.families import family
 from moerun.families.moe_block import sanitize
 from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces, Piece
-from moerun.quant.formats import FormatError, QTensor, get_format
+from moerun.quant.formats import FormatError, QTensor, get_format, storage_free
 from moerun.quant.mxfp4_layouts import gpt_oss_layout_bytes
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
@@ -63,6 +63,7 @@ def canonical_tensors(
     release: Callable[[str], None] = lambda name: None,
     assemble: bool = True,
     share=None,
+    experts_only: bool = False,
 ) -> tuple[dict[str, torch.Tensor | QTensor | ExpertPieces], dict[str, str]]:
     """(canonical tensors, canonical name -> checkpoint name). Names that fit nothing are kept
     under their own name, so the model's check lists them as unexpected. `get` returns a checkpoint
@@ -70,7 +71,10 @@ def canonical_tensors(
     `assemble=False`: per-expert and MXFP4 expert projections are described (`ExpertPieces`), not
     copied. `share` (expert parallelism, a moerun.distributed.ExpertShard): every MoE layer's
     expert tensors hold only its experts [start, stop), cut before anything is copied (per-expert
-    tensors: only the share's are stacked)."""
+    tensors: only the share's are stacked). `experts_only` (expert parallelism, every rank but 0,
+    which never computes the rest): every tensor but the routed experts is a storage-free stand-in
+    (moerun.quant.formats.storage_free), and so is what is made of them: nothing of them is read."""
+    dense = (lambda name: storage_free(get(name))) if experts_only else get
     tensors: dict[str, torch.Tensor | QTensor] = {}
     sources: dict[str, str] = {}
     blocks: dict[int, dict[str, str]] = defaultdict(dict)  # layer -> block-relative name -> checkpoint name
@@ -90,15 +94,15 @@ def canonical_tensors(
                 blocks[layer][b.group(1)] = name
                 continue
         canonical = canonical or name
-        tensors[canonical], sources[canonical] = get(name), name
+        tensors[canonical], sources[canonical] = dense(name), name
     for layer, block in blocks.items():
         prefix = f"layers.{layer}."
         if config.moe_layers[layer]:
-            moe, moe_sources = _moe_block(model_type, block, get, release, assemble, share)
+            moe, moe_sources = _moe_block(model_type, block, get, release, assemble, share, dense)
             tensors.update({prefix + "moe." + k: v for k, v in moe.items()})
             sources.update({prefix + "moe." + k: v for k, v in moe_sources.items()})
         else:
-            mlp, mlp_sources = _dense_mlp(block, get, release)
+            mlp, mlp_sources = _dense_mlp(block, dense, release)
             tensors.update({prefix + k: v for k, v in mlp.items()})
             sources.update({prefix + k: v for k, v in mlp_sources.items()})
     return tensors, sources
@@ -136,7 +140,8 @@ def _stacked(parts: list[list[str]], get, release) -> torch.Tensor:
     _check_pieces(parts, get)
     shapes = [get(name).shape for name in parts[0]]
     rows = sum(s[0] for s in shapes)
-    out = torch.empty((len(parts), rows, *shapes[0][1:]), dtype=get(parts[0][0]).dtype)
+    first = get(parts[0][0])  # (a stand-in's pieces: a stand-in)
+    out = torch.empty((len(parts), rows, *shapes[0][1:]), dtype=first.dtype, device=first.device)
     for e, names in enumerate(parts):
         start = 0
         for name in names:
@@ -175,11 +180,13 @@ def _described(parts: list[list[str]], get) -> ExpertPieces | None:
 
 
 def _moe_block(
-    model_type: str, block: dict[str, str], get, release, assemble: bool, share=None
+    model_type: str, block: dict[str, str], get, release, assemble: bool, share=None, dense=None
 ) -> tuple[dict, dict]:
     """One MoE block's checkpoint names (relative to the block) -> canonical MoE tensors; `share`:
     see canonical_tensors (a tensor whose expert count is not the config's is left whole, for the
-    model's check to report)."""
+    model's check to report); `dense(name)`: the block's other tensors (router, shared experts),
+    default `get`."""
+    dense = dense or get
 
     def cut(t: torch.Tensor) -> torch.Tensor:  # [E, ...] -> the share's experts, a view
         return t if share is None else share.cut_one(t)
@@ -202,7 +209,7 @@ def _moe_block(
                 raise TensorError(f"tensors {quote(name)} and {quote(scales)}: {err}") from None
             origin[rel[: -len("_blocks")]] = f"{name} + {scales}"
         elif not rel.endswith("_scales"):
-            fused[rel], origin[rel] = cut(get(name)) if rel.startswith("experts.") else get(name), name
+            fused[rel], origin[rel] = cut(get(name)) if rel.startswith("experts.") else dense(name), name
     if per_expert:
         n = 1 + max(max(e) for e in per_expert.values())
         complete = {role: experts for role, experts in per_expert.items() if len(experts) == n}

@@ -78,9 +78,11 @@ def _hf_model(
     dtype: torch.dtype,
     streamed: bool,
     share=None,
+    experts_only: bool = False,
 ) -> tuple[dict, list[MappedFile]]:
     """The checkpoint's canonical tensors, checked, in their compute dtypes; `share` (expert
-    parallelism, resident experts): only this rank's experts, cut before anything is copied."""
+    parallelism, resident experts): only this rank's experts, cut before anything is copied;
+    `experts_only` (every rank but 0): every other tensor a storage-free stand-in, nothing read."""
 
     def release(name: str) -> None:
         if name in checkpoint:
@@ -95,13 +97,13 @@ def _hf_model(
             release,
             assemble=not streamed,
             share=share,
+            experts_only=experts_only,
         )
     except CheckpointError as err:
         raise in_file(err, root) from None
     held = share.size if share is not None else None
     check_model_tensors(model_config, stand_ins(tensors), sources, where=str(root), held=held)
     files = [MappedFile(f.path, f.mapped) for f in checkpoint.shards]
-    experts_only = share is not None and share.rank != 0
     return converted(tensors, sources, dtype, release, streamed, experts_only), files
 
 
@@ -201,14 +203,18 @@ def load(
     # resident: only this rank's experts, cut before anything is copied; streamed: the store describes
     # every expert and reads only the rank's own
     share = expert_parallel.shard(model_config.moe.num_experts) if expert_parallel and not streamed else None
+    # every rank but 0 computes only its experts: the rest of the checkpoint is never read there
+    experts_only = bool(expert_parallel) and not expert_parallel.leads
     if gguf is not None:
-        model_config, tensors = gguf_model(gguf, assemble=not streamed, share=share)
+        model_config, tensors = gguf_model(
+            gguf, assemble=not streamed, share=share, experts_only=experts_only
+        )
         files = [MappedFile(gguf.path, gguf.mapped)]
         has_tokenizer = "tokenizer.ggml.model" in gguf.metadata
         read = lambda: Tokenizer.from_gguf_metadata(gguf.metadata, source=str(root))  # noqa: E731
         tokenizer = _tokenizer(read, root) if has_tokenizer else None
     else:
-        tensors, files = _hf_model(root, checkpoint, model_config, dtype, streamed, share)
+        tensors, files = _hf_model(root, checkpoint, model_config, dtype, streamed, share, experts_only)
         has_tokenizer = (directory / "tokenizer.json").is_file()
         tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory), directory) if has_tokenizer else None
     cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None

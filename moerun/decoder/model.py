@@ -30,7 +30,7 @@ from moerun.offload import ExpertCache, LayerStream
 from moerun.placement import place
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize, dequantize_bytes
-from moerun.quant.formats import QTensor
+from moerun.quant.formats import QTensor, storage_free
 from moerun.text.tokenizer import Tokenizer
 
 
@@ -109,11 +109,11 @@ class MoEModel:
         def dense(name: str) -> torch.Tensor | QTensor:
             t = tensors[name]
             if serves_experts_only:
-                if isinstance(t, QTensor):
-                    return QTensor(
-                        t.format, t.shape, torch.empty(t.data.shape, dtype=torch.uint8, device="meta")
-                    )
-                return torch.empty(t.shape, dtype=dtype, device="meta")
+                return (
+                    storage_free(t)
+                    if isinstance(t, QTensor)
+                    else torch.empty(t.shape, dtype=dtype, device="meta")
+                )
             # streaming: the dense part is resident, off the file's map (only the store reads the file)
             own = expert_cache is not None
             if isinstance(t, QTensor) and native and len(t.shape) == 2:  # a linear's weight, kept as stored

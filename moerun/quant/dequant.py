@@ -359,5 +359,8 @@ def dequantize_bytes(
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A QTensor's values, of its logical shape ([E, out, in] or [out, in]), in `dtype`."""
+    """A QTensor's values, of its logical shape ([E, out, in] or [out, in]), in `dtype` (a stand-in's:
+    a stand-in, moerun.quant.formats.storage_free)."""
+    if q.data.is_meta:
+        return torch.empty(q.shape, dtype=dtype, device="meta")
     return dequantize_bytes(q.format, q.data, dtype).reshape(q.shape)

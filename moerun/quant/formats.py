@@ -104,3 +104,11 @@ class QTensor:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def storage_free(t: torch.Tensor | QTensor) -> torch.Tensor | QTensor:
+    """A weight's stand-in: its shape and dtype (a QTensor's format) on the meta device, nothing read;
+    what is computed from it (joined, transposed, dequantised) is a stand-in too."""
+    if isinstance(t, QTensor):
+        return QTensor(t.format, t.shape, t.data.to("meta"))
+    return t.to("meta")

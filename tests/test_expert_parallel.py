@@ -220,8 +220,9 @@ def test_ranks_give_one_process_s_logits_and_tokens(checkpoint, world, backend, 
 @pytest.mark.parametrize("name, backend", [("olmoe", "torch"), ("olmoe-gguf-q4_k", "auto")])
 def test_each_rank_streams_its_own_experts_through_its_cache(name, backend, tmp_path):
     """expert_cache_gb under expert parallelism: each rank's own experts through its own cache (too
-    small for all of them, prefetching the next layer's), the logits and tokens of one process with
-    every expert resident, and no rank reading another's experts from the file."""
+    small for all of them, each prefetching its own of the next layer's predicted experts), the
+    logits and tokens of one process with every expert resident, and no rank reading another's
+    experts from the file."""
     path = CHECKPOINTS[name](tmp_path)
     alone, logits, tokens = _one_process(path, backend)
     moe = next(m for m in alone.mlps if hasattr(m, "experts"))
@@ -235,6 +236,8 @@ def test_each_rank_streams_its_own_experts_through_its_cache(name, backend, tmp_
         share = ExpertShard(rank, world, experts)
         assert r["read"] and r["read"] <= set(share.owned), (rank, r["read"])
         assert r["stats"]["offload"]["total"]["misses"] > 0
+        # each rank prefetches its own experts, from rank 0's prediction (the next layer's router)
+        assert r["stats"]["offload"]["total"]["prefetch_issued"] > 0, rank
 
 
 @pytest.mark.parametrize("dead", [1, 0])

@@ -247,7 +247,9 @@ def _fail_once(obj, method: str, error: BaseException, when=lambda *args: True) 
     setattr(obj, method, failing)
 
 
-def _failing_rank(rank: int, init: str, path: str, out: str, backend: str, collective: str) -> None:
+def _failing_rank(
+    rank: int, init: str, path: str, out: str, backend: str, collective: str, options: dict
+) -> None:
     """Rank 0 computes logits and a greedy generation, then fails four steps partway through (its
     own errors at each place a step can be in: before any MoE layer's inputs are sent, between a
     layer's inputs sent and its rows brought back (Ctrl-C), between two layers, in a decode step),
@@ -258,7 +260,7 @@ def _failing_rank(rank: int, init: str, path: str, out: str, backend: str, colle
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
     )  # fmt: skip
     ep = ExpertParallel(timeout_s=TIMEOUT_S, collective=collective)
-    model = moerun.load(path, dtype=torch.float32, backend=backend, expert_parallel=ep)
+    model = moerun.load(path, dtype=torch.float32, backend=backend, expert_parallel=ep, **options)
     result = {"raised": []}
     try:
         if rank == 0:
@@ -296,10 +298,20 @@ def _failing_rank(rank: int, init: str, path: str, out: str, backend: str, colle
 IDS = torch.tensor([PROMPT, PROMPT[::-1]])
 
 
+STREAMED = {"expert_cache_gb": 1.0, "prefetch_k": 2}  # each layer's inputs carry the next's prediction
+
+
 @pytest.mark.parametrize(
-    "backend, collective", [("torch", "all_to_all"), ("cpu", "all_to_all"), ("torch", "reduce")]
+    "backend, collective, options",
+    [
+        ("torch", "all_to_all", {}),
+        ("cpu", "all_to_all", {}),
+        ("torch", "reduce", {}),
+        ("torch", "all_to_all", STREAMED),
+    ],
+    ids=["torch", "cpu", "reduce", "streamed"],
 )
-def test_a_step_failing_partway_on_rank_0_leaves_the_group_serving(backend, collective, tmp_path):
+def test_a_step_failing_partway_on_rank_0_leaves_the_group_serving(backend, collective, options, tmp_path):
     """Rank 0's own error partway through a step (a bad value, Ctrl-C in chat, a request's error
     in a server) reaches its caller as it was raised, and the other ranks, left inside the step,
     are released from it: the next steps give the logits and tokens they gave before, bit for bit,
@@ -309,7 +321,7 @@ def test_a_step_failing_partway_on_rank_0_leaves_the_group_serving(backend, coll
     init = tmp_path / "init-failing"
     ranks = [
         context.Process(
-            target=_failing_rank, args=(r, str(init), str(path), str(tmp_path), backend, collective)
+            target=_failing_rank, args=(r, str(init), str(path), str(tmp_path), backend, collective, options)
         )
         for r in range(2)
     ]

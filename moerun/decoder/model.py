@@ -291,7 +291,7 @@ class MoEModel:
         # each MoE layer's router-logit check, read back once for the whole pass rather than once a
         # layer (a host sync per layer would stall a GPU between layers)
         checks: list[RouterCheck] = []
-        with self._parallel_step(ids.numel(), act_dtype):
+        with self._parallel_step(ids.numel(), act_dtype, self._prefetches()):
             for i, (attn, mlp) in enumerate(zip(self.attentions, self.mlps, strict=True)):
                 x = x + self._residual(attend(i, attn, self._attn_norm(i, x), cos_sin))
                 h = self._mlp_norm(i, x)
@@ -304,11 +304,17 @@ class MoEModel:
             self.expert_cache.end_step()
         return normed(x, self.norm, self.norm_bias, self.config.norm_eps).to(self.dtype)
 
-    def _parallel_step(self, tokens: int, dtype: torch.dtype):
+    def _parallel_step(self, tokens: int, dtype: torch.dtype, predicts: bool):
         """Expert parallelism on rank 0: the other ranks serve the MoE layers of the pass this block
-        runs, of `tokens` tokens with activations in `dtype` (ExpertParallel.step); else nothing."""
+        runs, of `tokens` tokens with activations in `dtype`, `predicts`: each layer's inputs carry
+        the next one's expert mass, for them to prefetch (ExpertParallel.step); else nothing."""
         ep = self.expert_parallel
-        return ep.step(tokens, dtype) if ep is not None else contextlib.nullcontext()
+        return ep.step(tokens, dtype, predicts) if ep is not None else contextlib.nullcontext()
+
+    def _prefetches(self) -> bool:
+        """Whether this step prefetches each next MoE layer's predicted experts (the cache may pause
+        prefetching for a step: moerun.offload)."""
+        return bool(self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching)
 
     def _attn_norm(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return normed(x, self.attn_norms[i], self.attn_norm_biases[i], self.config.norm_eps)
@@ -337,7 +343,7 @@ class MoEModel:
         x = self._embed(ids).reshape(-1).float().contiguous()  # [H] fp32, updated in place
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
-        with self._parallel_step(1, torch.float32):  # the MoE layers' inputs are fp32 here
+        with self._parallel_step(1, torch.float32, self._prefetches()):  # MoE inputs fp32 here
             for i, (step, mlp) in enumerate(zip(self._native_steps, self.mlps, strict=True)):
                 step(x, cache.keys[i], cache.values[i], pos, cos, sin, self._int8)
                 if not self.config.moe_layers[i]:
@@ -351,19 +357,33 @@ class MoEModel:
 
     def _after_fetch(self, i: int, x: torch.Tensor) -> Callable[[], None] | None:
         """What MoE layer i runs once its experts are fetched: with prefetch on, start loading the
-        next MoE layer's predicted experts for hidden states x; else None."""
-        prefetch = self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching
-        if prefetch and i in self._next_moe:
-            return functools.partial(self._prefetch, self._next_moe[i], x)
-        return None
+        next MoE layer's predicted experts for hidden states x; else None. Expert parallelism: the
+        prediction is made now, for the other ranks too (it goes with layer i's inputs)."""
+        if not self._prefetches() or i not in self._next_moe:
+            return None
+        if self.expert_parallel is not None:
+            mass = self._router_mass(self._next_moe[i], x)
+            self.expert_parallel.predict(mass)
+            return functools.partial(self._prefetch_mass, self._next_moe[i], mass)
+        return functools.partial(self._prefetch, self._next_moe[i], x)
 
     def _prefetch(self, layer: int, x: torch.Tensor) -> None:
         """Start loading the `prefetch_k` experts MoE layer `layer`'s router ranks highest for the
-        current hidden states x [B, T, H] (by routing probability summed over tokens)."""
+        current hidden states x [B, T, H]."""
+        self._prefetch_mass(layer, self._router_mass(layer, x))
+
+    def _router_mass(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """MoE layer `layer`'s routing probabilities for hidden states x [B, T, H], summed over the
+        tokens -> [E] fp32: the prediction of which experts it will run."""
         moe = self.mlps[layer]
         h = self._mlp_norm(layer, x).reshape(-1, moe.spec.hidden)
         logits = router_logits(h, moe.tensors["router.weight"], moe.tensors.get("router.bias"))  # [T, E]
-        mass = logits.softmax(dim=-1).sum(dim=0)  # [E]
+        return logits.softmax(dim=-1).sum(dim=0)
+
+    def _prefetch_mass(self, layer: int, mass: torch.Tensor) -> None:
+        """Start loading the `prefetch_k` experts of MoE layer `layer` with the most mass [E] (with
+        expert parallelism: of this rank's own)."""
+        moe = self.mlps[layer]
         if moe.experts.owned is not None:  # expert parallelism: this rank's experts only
             mass = mass[moe.experts.owned]
         top = mass.topk(min(self.prefetch_k, mass.numel())).indices.tolist()
@@ -462,14 +482,18 @@ class MoEModel:
         ep = self.expert_parallel
         if ep is None or ep.leads:
             raise ValueError("serve_experts runs on the ranks other than 0 of an expert-parallel model.")
-        layers = [mlp for mlp, moe in zip(self.mlps, self.config.moe_layers, strict=True) if moe]
+        layers = [i for i, moe in enumerate(self.config.moe_layers) if moe]
         with torch.inference_mode():
             while (step := ep.next_step()) is not None:
-                tokens, dtype = step
+                tokens, dtype, predicts = step
                 if self.expert_cache is not None:
                     self.expert_cache.begin_step()
-                for layer in layers:
-                    if not layer.serve_step(tokens, dtype):
+                for i in layers:
+                    following = self._next_moe.get(i)  # rank 0's prediction of it comes with i's inputs
+                    predicted = predicts and following is not None
+                    own = predicted and self._prefetches()  # this rank prefetches from it
+                    prefetch = functools.partial(self._prefetch_mass, following) if own else None
+                    if not self.mlps[i].serve_step(tokens, dtype, predicted, prefetch):
                         break  # rank 0 called off the rest of the step (an error there)
                 if self.expert_cache is not None:
                     self.expert_cache.end_step()

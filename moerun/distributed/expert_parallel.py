@@ -54,7 +54,7 @@ from moerun.settings import TORCHRUN_KEYS, settings
 
 DEFAULT_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 2 * 3600.0  # the other ranks' wait for rank 0's next header (a step, or "still here")
-# a step header on the control group: [kind, tokens, collective, activation dtype]
+# a step header on the control group: [kind, tokens, collective, activation dtype, predicts]
 _STEP, _FINISH, _KEEPALIVE = 1, 0, 2
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -219,6 +219,7 @@ class ExpertParallel:
         # failing partway can be completed for the others (step); why the group is unusable, if it is
         self._layers, self._width, self._num_experts, self._device = 0, 0, 0, torch.device("cpu")
         self._tokens, self._layers_left, self._open = 0, 0, None
+        self._predicts, self._prediction = False, None  # the next MoE layer's expert mass, to send
         self.broken: str | None = None
         if self.leads:
             threading.Thread(target=self._keep_alive, name="moerun-keepalive", daemon=True).start()
@@ -271,16 +272,21 @@ class ExpertParallel:
         self._layers, self._width, self._num_experts = moe_layers, hidden + 2 * top_k, num_experts
         self._device = torch.device(device)
 
+    def _rows(self, tokens: int, predicted: bool) -> int:
+        """Rows of a MoE layer's inputs message [rows, H + 2k]: a row per token, then (`predicted`)
+        the next MoE layer's expert mass [E], in as many rows as it fills."""
+        return tokens + (-(-self._num_experts // self._width) if predicted else 0)
+
     # rank 0's side of a step
 
     @contextlib.contextmanager
-    def step(self, tokens: int, dtype: torch.dtype):
+    def step(self, tokens: int, dtype: torch.dtype, predicts: bool = False):
         """Rank 0: a forward pass (`begin_step`) around the block that runs it. Should the block
         raise partway (its own error), the other ranks are still inside the step: the layer whose
         inputs they hold is completed (their rows taken and dropped) and the rest of the step is
         called off, so they wait for the next one. Should a collective fail (a rank gone), the group
         is unusable, and the next step says so at once."""
-        self.begin_step(tokens, dtype)
+        self.begin_step(tokens, dtype, predicts)
         try:
             yield
         except ExpertParallelError as e:
@@ -305,18 +311,21 @@ class ExpertParallel:
                 rows = torch.zeros((ids.numel(), self._width - 2 * ids.shape[1]), device=ids.device)
                 self.exchange(rows, self.spans(offsets, self._num_experts), layer)
             if self._layers_left:
-                called_off = torch.full((self._tokens, self._width), -1.0, device=self._device)
+                rows = self._rows(self._tokens, self._predicts and self._layers_left > 1)
+                called_off = torch.full((rows, self._width), -1.0, device=self._device)
                 what = "call off the rest of the step"
                 self._collective(what, dist.broadcast, called_off, self.leader, group=self.group)
             self.stats.abandoned += 1
         except ExpertParallelError as e:
             self.broken = str(e)
         finally:
-            self._open, self._layers_left = None, 0
+            self._open, self._layers_left, self._prediction = None, 0, None
 
-    def begin_step(self, tokens: int, dtype: torch.dtype) -> None:
+    def begin_step(self, tokens: int, dtype: torch.dtype, predicts: bool = False) -> None:
         """Rank 0: a forward pass of `tokens` tokens with activations in `dtype` starts; the other
-        ranks are told (they serve each of its MoE layers). The figures that follow are its own."""
+        ranks are told (they serve each of its MoE layers). The figures that follow are its own.
+        `predicts`: each MoE layer's inputs but the last carry the next one's expert mass (`predict`),
+        for the others to prefetch their experts from it."""
         if not self.leads:
             raise ExpertParallelError(
                 f"rank {self.rank} serves its experts to rank 0, which runs the model: call "
@@ -328,9 +337,15 @@ class ExpertParallel:
             )
         if self.broken is not None:
             raise ExpertParallelError(f"the expert-parallel group failed in an earlier step: {self.broken}")
-        self._announce(_STEP, tokens, COLLECTIVES.index(self.collective), _DTYPES.index(dtype))
+        self._announce(_STEP, tokens, COLLECTIVES.index(self.collective), _DTYPES.index(dtype), int(predicts))
         self.stats.begin_step(tokens)
         self._tokens, self._layers_left, self._open = tokens, self._layers, None
+        self._predicts, self._prediction = predicts, None
+
+    def predict(self, mass: torch.Tensor) -> None:
+        """Rank 0, in a step that `predicts`: the next MoE layer's expert mass [E] (its router's
+        probabilities summed over the tokens), sent with the current layer's inputs."""
+        self._prediction = mass
 
     def _announce(self, *header: int) -> None:
         with self._header_lock:
@@ -347,7 +362,7 @@ class ExpertParallel:
         while not self._stop.wait(min(period, max(0.0, self._announced + period - time.monotonic()))):
             if time.monotonic() - self._announced >= period:
                 try:
-                    self._announce(_KEEPALIVE, 0, 0, 0)
+                    self._announce(_KEEPALIVE, 0, 0, 0, 0)
                 except ExpertParallelError:  # the others are gone: the next step says so
                     return
 
@@ -355,7 +370,15 @@ class ExpertParallel:
         """Rank 0: a MoE layer's normed hidden states x [T, H] and routing (ids, weights [T, k]) to
         every other rank."""
         start = time.perf_counter()
-        packed = torch.cat([x.float(), ids.float(), weights.float()], dim=1).contiguous()  # [T, H+2k]
+        packed = torch.cat([x.float(), ids.float(), weights.float()], dim=1)  # [T, H+2k]
+        if self._predicts and self._layers_left > 1:  # the next MoE layer's expert mass, in rows
+            if self._prediction is None:
+                raise ExpertParallelError(f"{layer}: rank 0 announced predictions and made none.")
+            rows = self._rows(0, True)
+            mass = packed.new_zeros(rows * self._width)
+            mass[: self._num_experts] = self._prediction.float()
+            packed, self._prediction = torch.cat([packed, mass.view(rows, self._width)]), None
+        packed = packed.contiguous()
         self._collective(
             f"{layer}: send the layer's inputs", dist.broadcast, packed, self.leader, group=self.group
         )
@@ -374,43 +397,54 @@ class ExpertParallel:
         self.heartbeat.stop()
         if self.leads and self.broken is None:  # a broken group: nobody to release
             with contextlib.suppress(ExpertParallelError):  # the others are gone already: nothing to release
-                self._announce(_FINISH, 0, 0, 0)
+                self._announce(_FINISH, 0, 0, 0, 0)
 
     # the other ranks' side
 
-    def next_step(self) -> tuple[int, torch.dtype] | None:
-        """Another rank: wait for rank 0's next forward pass -> (its tokens, its activation dtype),
-        or None once rank 0 is finished."""
-        header = torch.empty(4, dtype=torch.int64)
+    def next_step(self) -> tuple[int, torch.dtype, bool] | None:
+        """Another rank: wait for rank 0's next forward pass -> (its tokens, its activation dtype,
+        whether its MoE layers' inputs carry the next layer's expert mass), or None once rank 0 is
+        finished."""
+        header = torch.empty(5, dtype=torch.int64)
         kind = _KEEPALIVE
         while kind == _KEEPALIVE:
             what = "wait for rank 0's next step"
             self._collective(what, dist.broadcast, header, self.leader, group=self.control)
-            kind, tokens, collective, dtype = header.tolist()
+            kind, tokens, collective, dtype, predicts = header.tolist()
         if kind == _FINISH:
             self.finished = True
             self.heartbeat.stop()
             return None
         self.collective = COLLECTIVES[collective]
         self.stats.begin_step(tokens)
-        return tokens, _DTYPES[dtype]
+        return tokens, _DTYPES[dtype], bool(predicts)
 
     def receive_inputs(
-        self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype, layer: str, device=None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        self,
+        tokens: int,
+        hidden: int,
+        top_k: int,
+        dtype: torch.dtype,
+        layer: str,
+        device=None,
+        predicted: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """Another rank: a MoE layer's inputs from rank 0 -> x [T, H] in `dtype`, ids int64 and
-        weights fp32 [T, k], on `device` (the layer's: NCCL moves CUDA tensors); None where rank 0
-        called off the rest of the step (an error there)."""
+        weights fp32 [T, k], on `device` (the layer's: NCCL moves CUDA tensors), and (`predicted`)
+        the next MoE layer's expert mass [E], else None; None where rank 0 called off the rest of
+        the step (an error there)."""
         start = time.perf_counter()
-        packed = torch.empty((tokens, hidden + 2 * top_k), dtype=torch.float32, device=device)
+        rows = self._rows(tokens, predicted)
+        packed = torch.empty((rows, hidden + 2 * top_k), dtype=torch.float32, device=device)
         what = f"{layer}: receive the layer's inputs"
         self._collective(what, dist.broadcast, packed, self.leader, group=self.group)
         self.stats.last.exchange_ms += 1e3 * (time.perf_counter() - start)
         if packed[0, hidden].item() < 0:
             self.stats.abandoned += 1
             return None
-        x, ids, weights = packed.split([hidden, top_k, top_k], dim=1)
-        return x.to(dtype).contiguous(), ids.long(), weights.contiguous()
+        mass = packed[tokens:].reshape(-1)[: self._num_experts] if predicted else None
+        x, ids, weights = packed[:tokens].split([hidden, top_k, top_k], dim=1)
+        return x.to(dtype).contiguous(), ids.long(), weights.contiguous(), mass
 
     # both sides
 

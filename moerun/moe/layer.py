@@ -6,6 +6,7 @@ transformers' blocks produce these names, and `MoELayer.from_tensors` checks the
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -314,24 +315,35 @@ class MoELayer:
             self.parallel.exchange(rows, spans, self.name)
         return rows, plan
 
-    def serve_step(self, tokens: int, dtype: torch.dtype) -> bool:
+    def serve_step(
+        self,
+        tokens: int,
+        dtype: torch.dtype,
+        predicted: bool = False,
+        prefetch: Callable[[torch.Tensor], None] | None = None,
+    ) -> bool:
         """Expert parallelism, a rank other than 0: this layer's part of rank 0's step of `tokens`
         tokens: its inputs received, its own experts' rows computed (fetched first when streamed)
-        and sent back. False where rank 0 called off the rest of the step instead."""
+        and sent back. `predicted`: the inputs carry the next MoE layer's expert mass, and
+        `prefetch(mass)` (streaming) starts loading from it once this layer's experts are fetched.
+        False where rank 0 called off the rest of the step instead."""
         spec = self.spec
-        inputs = self.parallel.receive_inputs(tokens, spec.hidden, spec.top_k, dtype, self.name, self.device)
+        inputs = self.parallel.receive_inputs(
+            tokens, spec.hidden, spec.top_k, dtype, self.name, self.device, predicted
+        )
         if inputs is None:
             return False
-        x, ids, weights = inputs
+        x, ids, weights, mass = inputs
         trace = layer_trace(self.name)
 
-        def step(x: torch.Tensor, after_fetch: None) -> None:
+        def step(x: torch.Tensor, after_fetch: Callable[[], None] | None) -> None:
             if self.experts.stream is not None:
-                self._fetch(self.owned_of(torch.unique(ids).tolist()), None)
+                self._fetch(self.owned_of(torch.unique(ids).tolist()), after_fetch)
             self._parallel_rows(x, ids, weights, trace)
 
         self._route_ms = 0.0  # rank 0 routed
-        self._streamed_step(step, x, None)
+        after_fetch = functools.partial(prefetch, mass) if prefetch is not None and mass is not None else None
+        self._streamed_step(step, x, after_fetch)
         return True
 
     @property

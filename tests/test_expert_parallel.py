@@ -643,3 +643,50 @@ def test_deepseek_runs_expert_parallel(backend, tmp_path):
     _, logits, tokens = _one_process(path, backend)
     for rank, r in enumerate(_run(path, 2, tmp_path, backend=backend)):
         _check_rank(rank, r, logits, tokens, backend)
+
+
+def _subgroup_rank(rank: int, init: str, path: str, out: str) -> None:
+    """3 processes; processes 1 and 2 form the expert-parallel group (process 1 its rank 0), process
+    0 stays out of it (another part of a larger job)."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=3,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )  # fmt: skip
+    group = dist.new_group([1, 2], use_local_synchronization=True) if rank else None
+    result = {}
+    if rank:
+        ep = ExpertParallel(group=group, timeout_s=TIMEOUT_S)
+        model = moerun.load(path, dtype=torch.float32, backend="torch", expert_parallel=ep)
+        if ep.leads:
+            result["logits"] = model.logits(IDS)
+            result["tokens"] = [t.id for t in model.generate(PROMPT, 8)]
+            model.close()
+        else:
+            model.serve_experts()
+        result["stats"] = model.stats()["expert_parallel"]
+    torch.save(result, os.path.join(out, f"subgroup-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_group_within_a_larger_job_runs_expert_parallel(tmp_path):
+    """ExpertParallel(group=...) over processes 1 and 2 of 3 (process 0 elsewhere, never joining it):
+    process 1 leads with one process's logits and tokens, process 2 serves half the experts."""
+    path = save_model(make_model("olmoe"), tmp_path / "olmoe")
+    _, logits, tokens = _one_process(path, "torch")
+    context = multiprocessing.get_context("spawn")
+    init = tmp_path / "init-subgroup"
+    ranks = [
+        context.Process(target=_subgroup_rank, args=(r, str(init), str(path), str(tmp_path)))
+        for r in range(3)
+    ]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120 + TIMEOUT_S)
+        assert p.exitcode == 0
+    _, lead, other = (torch.load(tmp_path / f"subgroup-{r}.pt") for r in range(3))
+    assert torch.equal(lead["logits"], logits) and lead["tokens"] == tokens
+    assert (lead["stats"]["rank"], other["stats"]["rank"], other["stats"]["world"]) == (0, 1, 2)
+    assert other["stats"]["placement"] == "rank 1 of 2: experts 4-7 of 8"
+    assert other["stats"]["steps"] == lead["stats"]["steps"] > 0

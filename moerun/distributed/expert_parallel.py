@@ -185,7 +185,9 @@ class ExchangeStats:
 
 class ExpertParallel:
     """This process's place in the expert-parallel group: rank, world size, timeout, the messages of
-    a step. Rank 0 leads (`leads`); see the module's docstring."""
+    a step. Rank 0 leads (`leads`); see the module's docstring. `group`: a torch.distributed group
+    (a part of a larger job, its members alone constructing this; ranks are the group's); default:
+    every process."""
 
     def __init__(
         self,
@@ -206,11 +208,21 @@ class ExpertParallel:
         self.timeout_s = timeout_s
         self.collective = collective
         self.stats = ExchangeStats()
-        self.leader = dist.get_global_rank(group, 0) if group is not None else 0
-        # step headers wait as long as a server may sit idle; gloo also for NCCL groups (a few ints)
+        # the group's processes (global ranks), its rank 0 among them
+        if self.rank < 0:
+            raise ExpertParallelError(f"process {dist.get_rank()} is not in the group it was given.")
+        members = range(self.world) if group is None else dist.get_process_group_ranks(group)
+        self.members = sorted(members, key=lambda r: r if group is None else dist.get_group_rank(group, r))
+        self.leader = self.members[0]
+        # step headers wait as long as a server may sit idle; gloo also for NCCL groups (a few ints).
+        # A group within a larger job: its members alone set up theirs
         self.idle_timeout_s = idle_timeout_s
-        self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
-        self.heartbeat = Heartbeat(_default_store(), dist.get_rank(), dist.get_world_size())
+        idle = datetime.timedelta(seconds=idle_timeout_s)
+        if group is None:
+            self.control = dist.new_group(backend="gloo", timeout=idle)
+        else:
+            self.control = dist.new_group(self.members, idle, "gloo", use_local_synchronization=True)
+        self.heartbeat = Heartbeat(_default_store(), dist.get_rank(), self.members)
         self.finished = False
         # rank 0's headers: from the model's thread (steps) and the keep-alive thread, one at a time
         self._header_lock, self._announced = threading.Lock(), time.monotonic()
@@ -519,7 +531,8 @@ class ExpertParallel:
 
     def _failure(self, what: str, error: Exception, group=None) -> str:
         silent = self.heartbeat.silent()
-        if silent:
+        if silent:  # as the group's ranks
+            silent = [self.members.index(r) for r in silent]
             named = ", ".join(map(str, silent))
             who = f"rank{'s' if len(silent) > 1 else ''} {named} stopped answering (died, or hung)"
         elif silent == []:

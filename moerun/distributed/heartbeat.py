@@ -23,11 +23,11 @@ def _key(rank: int) -> str:
 
 
 class Heartbeat:
-    """This rank's beat, and a look at the others'. `store`: a torch.distributed Store shared by the
-    group (None: no store to share, and `silent` cannot tell)."""
+    """This rank's beat, and a look at the other `members`' (global ranks: the group's). `store`: a
+    torch.distributed Store shared by the group (None: no store to share, and `silent` cannot tell)."""
 
-    def __init__(self, store, rank: int, world: int):
-        self.store, self.rank, self.world = store, rank, world
+    def __init__(self, store, rank: int, members: list[int]):
+        self.store, self.rank, self.members = store, rank, members
         self._stop = threading.Event()
         self._thread = None
         if store is None:
@@ -49,13 +49,13 @@ class Heartbeat:
                 return
 
     def _counters(self) -> dict[int, bytes]:
-        others = [r for r in range(self.world) if r != self.rank]
+        others = [r for r in self.members if r != self.rank]
         # a rank that never beat has no key (get would wait for it): b"" for it
         return {r: self.store.get(_key(r)) if self.store.check([_key(r)]) else b"" for r in others}
 
     def silent(self) -> list[int] | None:
-        """The other ranks whose beat did not move in LISTEN_S seconds (dead or stopped); None when
-        the store cannot be read (no store, or its host is one of the dead)."""
+        """The other members whose beat did not move in LISTEN_S seconds (dead or stopped; global
+        ranks); None when the store cannot be read (no store, or its host is one of the dead)."""
         if self.store is None:
             return None
         try:

@@ -86,11 +86,20 @@ class _Table:
         self.by_expert = torch.tensor([[gub.at(e), dnb.at(e)] for e in range(E)], dtype=torch.int64)
         self.intermediate = experts.down.shape[-1]
         self._per_k: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._share = None  # expert parallelism: expert id -> its row in the share's tensors
+        if experts.owned is not None:
+            self._share = torch.full((max(experts.owned) + 1,), -1, dtype=torch.long)
+            self._share[torch.tensor(experts.owned)] = torch.arange(len(experts.owned))
+
+    def held(self, experts: torch.Tensor) -> torch.Tensor:
+        """Expert ids -> their rows in the tensors this table points into (the ids themselves, or with
+        expert parallelism their places in this rank's share)."""
+        return experts if self._share is None else self._share[experts]
 
     def rows(self, experts: torch.Tensor, places: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The pointer table int64 [k, 4] and formats int32 [k, 2] of `experts` (int64 [k]), whose
-        weights are at `places` (their own ids, or their cache slots)."""
-        table = torch.cat([self.by_place[places], self.by_expert[experts]], dim=1)
+        weights are at `places` (their rows, `held`, or their cache slots)."""
+        table = torch.cat([self.by_place[places], self.by_expert[self.held(experts)]], dim=1)
         return table, self.per_k(len(experts))[0]
 
     def per_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +169,7 @@ def token_forward(
     """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
     table = _table(experts)
     ids = torch.tensor(plan.experts, dtype=torch.int64)
-    places = ids if experts.stream is None else experts.stream.slot_ids(ids).long()
+    places = table.held(ids) if experts.stream is None else experts.stream.slot_ids(ids).long()
     pointers, formats = table.rows(ids, places)
     k = len(plan.experts)
     slots = table.per_k(k)[1]
@@ -201,15 +210,29 @@ def tokens_forward(
         return combine(expert_rows(x, plan, experts, act, ws, options), plan, ws)
     order = torch.argsort(ids, dim=1, stable=True)
     ids, weights = torch.gather(ids, 1, order), torch.gather(weights.float(), 1, order).contiguous()
+    return _decode_table(
+        x.float().contiguous(), ids, weights, experts, act, options.int8_on_cpu(experts.dtype)
+    )
+
+
+def _decode_table(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: ExpertWeights,
+    act: Activation,
+    integer: bool,
+) -> torch.Tensor:
+    """x fp32 [T, H], each token's experts ids [T, k] ascending and weights fp32 [T, k] -> [T, H]
+    fp32, each token's weighted outputs summed in order, from 0: one native call, or streamed one
+    per group of experts the cache holds at once."""
     table = _table(experts)
-    x = x.float().contiguous()
-    integer = options.int8_on_cpu(experts.dtype)
     stream = experts.stream
     groups = [torch.unique(ids)] if stream is None else [torch.tensor(g) for g in stream.groups()]
     out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
     for i, group in enumerate(groups):  # ascending ids
         if stream is None:
-            places = group
+            places = table.held(group)
         else:
             stream.tensors(int(group[0]))  # fetches the group (the previous one released)
             places = stream.slot_ids(group).long()
@@ -241,8 +264,14 @@ def expert_rows(
     only: Collection[int] | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order (a
-    view of `ws`, valid until the next call); `only`: just these experts' rows, the others left unset."""
+    view of `ws`, valid until the next call); `only`: just these experts' rows, the others left unset.
+    Where `tokens_forward` takes the native decode table (quantised experts, or up to NATIVE_ROWS
+    tokens), so do these rows, an assignment a slot: each is that call's term w * y, so that their
+    sum in plan order (expert parallelism: rows from several ranks) is its sum, the same bits."""
     integer = options.int8_on_cpu(experts.dtype)
+    dense = not isinstance(experts.gate_up, QTensor) and not isinstance(experts.down, QTensor)
+    if not dense or x.shape[0] <= NATIVE_ROWS:
+        return _table_rows(x, plan, experts, act, ws, integer, only)
 
     def forward(rows: torch.Tensor, e: int) -> torch.Tensor:  # rows [R, H] -> [R, H]
         h = linear(rows, experts.stored("gate_up", e), experts.bias("gate_up", e), True, integer)  # [R, 2I]
@@ -250,6 +279,32 @@ def expert_rows(
         return linear(a, experts.stored("down", e), experts.bias("down", e), True, integer).float()
 
     return rows_by_expert(x, plan, ws, forward, only)
+
+
+def _table_rows(
+    x: torch.Tensor,
+    plan: BatchedPlan,
+    experts: ExpertWeights,
+    act: Activation,
+    ws: Workspace,
+    integer: bool,
+    only: Collection[int] | None,
+) -> torch.Tensor:
+    """expert_rows through the native decode table: every assignment (of `only`'s experts) one
+    token of one slot, so its row is 0 + w * y, the decode step's term."""
+    num_rows, E = plan.order.numel(), plan.offsets.numel() - 1
+    rows = ws.get("rows", (num_rows, x.shape[1]), torch.float32, x.device)
+    row_experts = torch.repeat_interleave(torch.arange(E), plan.offsets.diff().cpu())  # [T*k]
+    picked = torch.arange(num_rows)
+    if only is not None:
+        picked = torch.isin(row_experts, torch.tensor(list(only), dtype=torch.long)).nonzero().view(-1)
+    if picked.numel() == 0:
+        return rows
+    ids = row_experts[picked]
+    tokens = x.float()[plan.row_tokens[picked]].contiguous()
+    weights = plan.row_weights[picked].float().reshape(-1, 1).contiguous()
+    rows[picked] = _decode_table(tokens, ids.reshape(-1, 1), weights, experts, act, integer)
+    return rows
 
 
 def shared_expert(

@@ -43,7 +43,16 @@ def expert_rows(
 ) -> torch.Tensor:
     """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order
     (a view of `ws`, valid until the next call); `only`: compute just these experts' rows, the
-    others left unset (expert parallelism: another rank computes them, the exchange brings them)."""
+    others left unset (expert parallelism: another rank computes them, the exchange brings them).
+    One token: `token_rows`, the decode step's matrix-vector products, so that the rows summed in
+    plan order are `token_forward`'s sum, the same bits."""
+    if x.shape[0] == 1:  # a token's assignments are its experts ascending, the plan's order
+        row_experts = torch.repeat_interleave(
+            torch.arange(plan.offsets.numel() - 1), plan.offsets.diff().cpu()
+        )
+        token = TokenPlan(row_experts.tolist(), plan.row_weights)
+        out = ws.get("rows", (len(token.experts), x.shape[1]), torch.float32, x.device)
+        return token_rows(x[0], token, experts, act, only, out)
     return rows_by_expert(x, plan, ws, lambda rows, e: _expert_forward(rows, experts, e, act), only)
 
 
@@ -84,10 +93,24 @@ def combine(rows: torch.Tensor, plan: BatchedPlan, ws: Workspace) -> torch.Tenso
     return by_token.sum(dim=1)
 
 
-def token_rows(x: torch.Tensor, plan: TokenPlan, experts: ExpertWeights, act: Activation) -> torch.Tensor:
-    """One token x [H] -> weighted outputs [k, H] fp32 of its experts, ascending."""
-    rows = torch.empty(len(plan.experts), x.shape[0], dtype=torch.float32, device=x.device)
+def token_rows(
+    x: torch.Tensor,
+    plan: TokenPlan,
+    experts: ExpertWeights,
+    act: Activation,
+    only: Collection[int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token x [H] -> weighted outputs [k, H] fp32 of its experts, ascending (into `out`);
+    `only`: just these experts' rows, the others left unset."""
+    rows = (
+        out
+        if out is not None
+        else torch.empty(len(plan.experts), x.shape[0], dtype=torch.float32, device=x.device)
+    )
     for i, e in enumerate(plan.experts):
+        if only is not None and e not in only:
+            continue
         # matrix-vector products: on CPU torch.mv's bf16 path reads weights ~1.4x faster than a
         # 1-row F.linear, and quantised weights are dequantised tile by tile
         h = experts.matvec("gate_up", e, x)  # [2I]

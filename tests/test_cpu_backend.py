@@ -212,3 +212,31 @@ def test_a_prompt_runs_each_expert_once_with_the_row_kernels_bits(gate_up, down,
     exact = _layer(gate_up, down, "cpu", EXACT)(x)
     assert rel_err(exact, _layer(gate_up, down, "torch")(x)) <= 1e-5
     assert 0 < rel_err(layer(x), exact) <= 5e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize(("gate_up", "down"), MIXES)
+def test_expert_rows_are_the_terms_of_the_one_call_sum(gate_up, down, tokens):
+    """expert_rows on the native kernels (what each rank computes under expert parallelism): summed
+    in plan order they are tokens_forward's outputs bit for bit; computed for a span of experts or
+    scattered ones, each row is the one computed for all of them."""
+    from moerun.moe.backends import cpu_backend
+    from moerun.moe.backends.workspace import Workspace
+
+    x = torch.randn(tokens, QH, generator=torch.Generator().manual_seed(9))
+    for options in (EXACT, INT8):
+        layer = _layer(gate_up, down, "cpu", options)
+        weights, ids = route(SPEC.routing, torch.nn.functional.linear(x, layer.tensors["router.weight"]))
+        plan = cpu_backend.batch_plan(ids, weights, SPEC.num_experts)
+        ws = Workspace()
+        rows = cpu_backend.expert_rows(x, plan, layer.experts, SPEC.activation, ws, options).clone()
+        summed = cpu_backend.combine(rows, plan, ws)
+        want = cpu_backend.tokens_forward(x, ids, weights, layer.experts, SPEC.activation, options)
+        assert torch.equal(summed, want)
+        offsets = plan.offsets.tolist()
+        for only in ([1, 2], [0, 3]):
+            some = cpu_backend.expert_rows(
+                x, plan, layer.experts, SPEC.activation, Workspace(), options, only
+            )
+            for e in only:
+                assert torch.equal(some[offsets[e] : offsets[e + 1]], rows[offsets[e] : offsets[e + 1]])

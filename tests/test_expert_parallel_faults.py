@@ -336,3 +336,68 @@ def test_a_step_failing_partway_on_rank_0_leaves_the_group_serving(backend, coll
     assert torch.equal(lead["before"][0], lead["after"][0]) and lead["before"][1] == lead["after"][1]
     assert lead["stats"]["abandoned"] == other["stats"]["abandoned"] == 4
     assert lead["stats"]["steps"] == other["stats"]["steps"]
+
+
+def _interrupted_rank(rank: int, init: str, path: str, out: str, collective: str, control: bool) -> None:
+    """Rank 0 computes logits; then a real Ctrl-C (SIGINT to itself) arrives while its first
+    `collective` of a step (on the control group: the step's header) is under way; then it computes
+    the logits again. The other rank serves throughout."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )  # fmt: skip
+    ep = ExpertParallel(timeout_s=TIMEOUT_S)
+    model = moerun.load(path, dtype=torch.float32, backend="torch", expert_parallel=ep)
+    result = {}
+    try:
+        if rank == 0:
+            result["before"] = model.logits(IDS)
+            original, armed = getattr(dist, collective), [True]
+
+            def interrupted(*args, **kwargs):
+                done = original(*args, **kwargs)
+                if armed[0] and (kwargs.get("group") is ep.control) == control:
+                    armed[0] = False
+                    os.kill(os.getpid(), signal.SIGINT)  # pending: Python raises it at its next check
+                return done
+
+            setattr(dist, collective, interrupted)
+            try:
+                model.logits(IDS)
+            except KeyboardInterrupt:
+                result["interrupted"] = True
+            setattr(dist, collective, original)
+            result["after"] = model.logits(IDS)
+            model.close()
+        else:
+            model.serve_experts()
+    except ExpertParallelError as e:
+        result["error"] = str(e)
+    torch.save(result, os.path.join(out, f"interrupted-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "collective, control",
+    [("broadcast", True), ("broadcast", False), ("all_to_all_single", False)],
+    ids=["header", "inputs", "rows"],
+)
+def test_ctrl_c_during_a_collective_leaves_the_group_serving(collective, control, tmp_path):
+    """Ctrl-C lands while rank 0 waits in a collective (gloo's waits cannot be interrupted: Python
+    raises it once the collective is done): the collective and rank 0's note of it stand together,
+    the interrupt reaches the caller, the other rank is released from the step, and the next step
+    gives the same logits."""
+    path = save_model(make_model("olmoe", num_experts=5), tmp_path / "olmoe")
+    context = multiprocessing.get_context("spawn")
+    init = tmp_path / "init-interrupted"
+    args = (str(init), str(path), str(tmp_path), collective, control)
+    ranks = [context.Process(target=_interrupted_rank, args=(r, *args)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120 + 4 * TIMEOUT_S)
+        assert p.exitcode == 0
+    lead, other = (torch.load(tmp_path / f"interrupted-{r}.pt") for r in range(2))
+    assert "error" not in lead and "error" not in other, (lead.get("error"), other.get("error"))
+    assert lead["interrupted"] and torch.equal(lead["before"], lead["after"])

@@ -40,6 +40,7 @@ import atexit
 import contextlib
 import datetime
 import hashlib
+import signal
 import threading
 import time
 from collections.abc import Mapping
@@ -74,6 +75,30 @@ def _default_store():
 
 class ExpertParallelError(RuntimeError):
     """The ranks could not agree, or one stopped answering."""
+
+
+class CollectiveError(ExpertParallelError):
+    """A collective failed: a rank died, hung, or left the step; the group is unusable."""
+
+
+@contextlib.contextmanager
+def _held_interrupts():
+    """Ctrl-C held back until the block ends, then raised: a collective and the note of it (what
+    the other ranks now expect) happen both or neither. gloo's waits cannot be interrupted anyway;
+    Python raises KeyboardInterrupt in the main thread only, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending and callable(previous):
+            previous(signal.SIGINT, pending[0])
+        elif pending and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 @dataclass(frozen=True)
@@ -280,7 +305,11 @@ class ExpertParallel:
         ]
 
     def bind(self, moe_layers: int, hidden: int, top_k: int, num_experts: int, device) -> None:
-        """The model this group runs: its MoE layers' count and shape, and its device."""
+        """The model this group runs (one model a group): its MoE layers' count and shape, its device."""
+        if self._layers:
+            raise ExpertParallelError(
+                "this expert-parallel group already runs a model: make a new ExpertParallel for another."
+            )
         self._layers, self._width, self._num_experts = moe_layers, hidden + 2 * top_k, num_experts
         self._device = torch.device(device)
 
@@ -297,11 +326,12 @@ class ExpertParallel:
         raise partway (its own error), the other ranks are still inside the step: the layer whose
         inputs they hold is completed (their rows taken and dropped) and the rest of the step is
         called off, so they wait for the next one. Should a collective fail (a rank gone), the group
-        is unusable, and the next step says so at once."""
-        self.begin_step(tokens, dtype, predicts)
+        is unusable, and the next step says so at once (on gloo; NCCL may instead end the process
+        from its watchdog, as its collectives fail asynchronously)."""
         try:
+            self.begin_step(tokens, dtype, predicts)
             yield
-        except ExpertParallelError as e:
+        except CollectiveError as e:
             self.broken = str(e)
             raise
         except BaseException:
@@ -315,23 +345,32 @@ class ExpertParallel:
         """Rank 0: complete the layer whose inputs the others hold (their rows received, dropped),
         then call off the step's other layers (inputs whose first id is -1). A collective failing
         here leaves the group unusable (`broken`), the error that ended the step going on."""
+        sent = self._open is not None or self._layers_left > 0
         try:
-            if self._open is not None:
-                ids, layer = self._open
-                counts = torch.bincount(ids.reshape(-1).cpu(), minlength=self._num_experts)
-                offsets = [0, *counts.cumsum(0).tolist()]
-                rows = torch.zeros((ids.numel(), self._width - 2 * ids.shape[1]), device=ids.device)
-                self.exchange(rows, self.spans(offsets, self._num_experts), layer)
-            if self._layers_left:
-                rows = self._rows(self._tokens, self._predicts and self._layers_left > 1)
-                called_off = torch.full((rows, self._width), -1.0, device=self._device)
-                what = "call off the rest of the step"
-                self._collective(what, dist.broadcast, called_off, self.leader, group=self.group)
-            self.stats.abandoned += 1
-        except ExpertParallelError as e:
+            with _held_interrupts():  # all of it, or the others are left halfway
+                self._call_off()
+            self.stats.abandoned += sent
+        except CollectiveError as e:
             self.broken = str(e)
+        except BaseException as e:
+            self.broken = f"calling off a step that failed on rank 0 failed too ({e!r})"
+            raise
         finally:
             self._open, self._layers_left, self._prediction = None, 0, None
+
+    def _call_off(self) -> None:
+        """The open layer's rows taken (and dropped), then the marker for the layers left."""
+        if self._open is not None:
+            ids, layer = self._open
+            counts = torch.bincount(ids.reshape(-1).cpu(), minlength=self._num_experts)
+            offsets = [0, *counts.cumsum(0).tolist()]
+            rows = torch.zeros((ids.numel(), self._width - 2 * ids.shape[1]), device=ids.device)
+            self.exchange(rows, self.spans(offsets, self._num_experts), layer)
+        if self._layers_left:
+            rows = self._rows(self._tokens, self._predicts and self._layers_left > 1)
+            called_off = torch.full((rows, self._width), -1.0, device=self._device)
+            what = "call off the rest of the step"
+            self._collective(what, dist.broadcast, called_off, self.leader, group=self.group)
 
     def begin_step(self, tokens: int, dtype: torch.dtype, predicts: bool = False) -> None:
         """Rank 0: a forward pass of `tokens` tokens with activations in `dtype` starts; the other
@@ -349,10 +388,14 @@ class ExpertParallel:
             )
         if self.broken is not None:
             raise ExpertParallelError(f"the expert-parallel group failed in an earlier step: {self.broken}")
-        self._announce(_STEP, tokens, COLLECTIVES.index(self.collective), _DTYPES.index(dtype), int(predicts))
-        self.stats.begin_step(tokens)
-        self._tokens, self._layers_left, self._open = tokens, self._layers, None
-        self._predicts, self._prediction = predicts, None
+        if not self._layers:
+            raise ExpertParallelError("no model is bound to this expert-parallel group (MoEModel binds it).")
+        with _held_interrupts():  # announced and noted, or neither
+            header = (_STEP, tokens, COLLECTIVES.index(self.collective), _DTYPES.index(dtype), int(predicts))
+            self._announce(*header)
+            self.stats.begin_step(tokens)
+            self._tokens, self._layers_left, self._open = tokens, self._layers, None
+            self._predicts, self._prediction = predicts, None
 
     def predict(self, mass: torch.Tensor) -> None:
         """Rank 0, in a step that `predicts`: the next MoE layer's expert mass [E] (its router's
@@ -391,10 +434,10 @@ class ExpertParallel:
             mass[: self._num_experts] = self._prediction.float()
             packed, self._prediction = torch.cat([packed, mass.view(rows, self._width)]), None
         packed = packed.contiguous()
-        self._collective(
-            f"{layer}: send the layer's inputs", dist.broadcast, packed, self.leader, group=self.group
-        )
-        self._layers_left, self._open = self._layers_left - 1, (ids, layer)
+        with _held_interrupts():  # sent and noted, or neither
+            what = f"{layer}: send the layer's inputs"
+            self._collective(what, dist.broadcast, packed, self.leader, group=self.group)
+            self._layers_left, self._open = self._layers_left - 1, (ids, layer)
         step = self.stats.last
         step.sent_bytes += (self.world - 1) * packed.numel() * packed.element_size()
         step.exchange_ms += 1e3 * (time.perf_counter() - start)
@@ -473,37 +516,44 @@ class ExpertParallel:
         others = rows.shape[0] - (spans[0][1] - spans[0][0])  # rows rank 0 receives
         nothing = rows.new_empty((0, rows.shape[1]))
         what = f"{layer}: bring the expert rows to rank 0"
-        if self.collective == "all_to_all":  # rank 0's span first: the others' fill rows[stop0:]
-            counts = [b - a for a, b in spans]
-            if self.leads:
-                outputs, inputs = [0, *counts[1:]], [0] * self.world
-                self._collective(
-                    what,
-                    dist.all_to_all_single,
-                    rows[counts[0] :],
-                    nothing,
-                    outputs,
-                    inputs,
-                    group=self.group,
-                )
-            else:
-                outputs, inputs = (
-                    [0] * self.world,
-                    [counts[self.rank] if r == 0 else 0 for r in range(self.world)],
-                )
-                self._collective(
-                    what, dist.all_to_all_single, nothing, rows[first:stop], outputs, inputs, group=self.group
-                )
-            sent = 0 if self.leads else (stop - first) * row_bytes
-            received = others * row_bytes if self.leads else 0
-            self._open = None
-        else:  # the sum of each row's one value and the other ranks' zeros
-            rows[:first].zero_()
-            rows[stop:].zero_()
-            self._collective(what, dist.reduce, rows, self.leader, group=self.group)
-            whole = rows.numel() * rows.element_size()  # every rank sends its whole buffer
-            sent, received = (0, (self.world - 1) * whole) if self.leads else (whole, 0)
-            self._open = None
+        with _held_interrupts():  # brought and noted, or neither
+            if self.collective == "all_to_all":  # rank 0's span first: the others' fill rows[stop0:]
+                counts = [b - a for a, b in spans]
+                if self.leads:
+                    outputs, inputs = [0, *counts[1:]], [0] * self.world
+                    self._collective(
+                        what,
+                        dist.all_to_all_single,
+                        rows[counts[0] :],
+                        nothing,
+                        outputs,
+                        inputs,
+                        group=self.group,
+                    )
+                else:
+                    outputs, inputs = (
+                        [0] * self.world,
+                        [counts[self.rank] if r == 0 else 0 for r in range(self.world)],
+                    )
+                    self._collective(
+                        what,
+                        dist.all_to_all_single,
+                        nothing,
+                        rows[first:stop],
+                        outputs,
+                        inputs,
+                        group=self.group,
+                    )
+                sent = 0 if self.leads else (stop - first) * row_bytes
+                received = others * row_bytes if self.leads else 0
+                self._open = None
+            else:  # the sum of each row's one value and the other ranks' zeros
+                rows[:first].zero_()
+                rows[stop:].zero_()
+                self._collective(what, dist.reduce, rows, self.leader, group=self.group)
+                whole = rows.numel() * rows.element_size()  # every rank sends its whole buffer
+                sent, received = (0, (self.world - 1) * whole) if self.leads else (whole, 0)
+                self._open = None
         step = self.stats.last
         step.exchanges += 1
         step.sent_bytes += sent
@@ -516,7 +566,7 @@ class ExpertParallel:
         try:
             collective(*args, **kwargs)
         except Exception as e:  # gloo/NCCL: a peer closed the connection, or the timeout passed
-            raise ExpertParallelError(self._failure(what, e, kwargs.get("group"))) from None
+            raise CollectiveError(self._failure(what, e, kwargs.get("group"))) from None
 
     def _wait_s(self, group) -> float:
         """How long `group`'s collectives wait: the timeout it was set up with (torch keeps it in

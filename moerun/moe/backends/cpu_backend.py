@@ -222,14 +222,15 @@ def _decode_table(
     experts: ExpertWeights,
     act: Activation,
     integer: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x fp32 [T, H], each token's experts ids [T, k] ascending and weights fp32 [T, k] -> [T, H]
-    fp32, each token's weighted outputs summed in order, from 0: one native call, or streamed one
-    per group of experts the cache holds at once."""
+    fp32 (into `out`), each token's weighted outputs summed in order, from 0: one native call, or
+    streamed one per group of experts the cache holds at once."""
     table = _table(experts)
     stream = experts.stream
     groups = [torch.unique(ids)] if stream is None else [torch.tensor(g) for g in stream.groups()]
-    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
+    out = out if out is not None else torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
     for i, group in enumerate(groups):  # ascending ids
         if stream is None:
             places = table.held(group)
@@ -295,15 +296,24 @@ def _table_rows(
     num_rows, E = plan.order.numel(), plan.offsets.numel() - 1
     rows = ws.get("rows", (num_rows, x.shape[1]), torch.float32, x.device)
     row_experts = torch.repeat_interleave(torch.arange(E), plan.offsets.diff().cpu())  # [T*k]
-    picked = torch.arange(num_rows)
-    if only is not None:
-        picked = torch.isin(row_experts, torch.tensor(list(only), dtype=torch.long)).nonzero().view(-1)
-    if picked.numel() == 0:
+    wanted = sorted(only) if only is not None else list(range(E))
+    if not wanted:
         return rows
+    if wanted == list(range(wanted[0], wanted[-1] + 1)):  # a span of experts: a span of rows, in place
+        offsets = plan.offsets.tolist()
+        start, stop = offsets[wanted[0]], offsets[wanted[-1] + 1]
+        picked, out = slice(start, stop), rows[start:stop]
+    else:
+        picked = torch.isin(row_experts, torch.tensor(wanted, dtype=torch.long)).nonzero().view(-1)
+        out = None
     ids = row_experts[picked]
+    if ids.numel() == 0:
+        return rows
     tokens = x.float()[plan.row_tokens[picked]].contiguous()
     weights = plan.row_weights[picked].float().reshape(-1, 1).contiguous()
-    rows[picked] = _decode_table(tokens, ids.reshape(-1, 1), weights, experts, act, integer)
+    computed = _decode_table(tokens, ids.reshape(-1, 1), weights, experts, act, integer, out)
+    if out is None:
+        rows[picked] = computed
     return rows
 
 

@@ -230,6 +230,22 @@ def test_a_rank_holds_only_its_share_of_the_experts(big_olmoe, layout, dtype, tm
     )
 
 
+def _two_ranks(target, name: str, path, tmp_path, *args) -> list[dict]:
+    """target(rank, init, path, out, *args) as ranks 0 and 1, spawned and waited for (each must end
+    cleanly) -> what each saved as `{name}-{rank}.pt`."""
+    context = multiprocessing.get_context("spawn")
+    init = tmp_path / f"init-{name}"
+    ranks = [
+        context.Process(target=target, args=(r, str(init), str(path), str(tmp_path), *args)) for r in range(2)
+    ]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120 + 4 * TIMEOUT_S)
+        assert p.exitcode == 0
+    return [torch.load(tmp_path / f"{name}-{r}.pt") for r in range(2)]
+
+
 class _Injected(Exception):
     """An error of rank 0's own, partway through a step (not the group's)."""
 
@@ -317,20 +333,7 @@ def test_a_step_failing_partway_on_rank_0_leaves_the_group_serving(backend, coll
     are released from it: the next steps give the logits and tokens they gave before, bit for bit,
     and the other rank counts each step called off."""
     path = save_model(make_model("olmoe", num_experts=5), tmp_path / "olmoe")
-    context = multiprocessing.get_context("spawn")
-    init = tmp_path / "init-failing"
-    ranks = [
-        context.Process(
-            target=_failing_rank, args=(r, str(init), str(path), str(tmp_path), backend, collective, options)
-        )
-        for r in range(2)
-    ]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=120 + 4 * TIMEOUT_S)
-        assert p.exitcode == 0
-    lead, other = (torch.load(tmp_path / f"failing-{r}.pt") for r in range(2))
+    lead, other = _two_ranks(_failing_rank, "failing", path, tmp_path, backend, collective, options)
     assert "error" not in lead and "error" not in other, (lead.get("error"), other.get("error"))
     assert lead["raised"] == ["_Injected", "KeyboardInterrupt", "_Injected", "_Injected"]
     assert torch.equal(lead["before"][0], lead["after"][0]) and lead["before"][1] == lead["after"][1]
@@ -389,15 +392,6 @@ def test_ctrl_c_during_a_collective_leaves_the_group_serving(collective, control
     the interrupt reaches the caller, the other rank is released from the step, and the next step
     gives the same logits."""
     path = save_model(make_model("olmoe", num_experts=5), tmp_path / "olmoe")
-    context = multiprocessing.get_context("spawn")
-    init = tmp_path / "init-interrupted"
-    args = (str(init), str(path), str(tmp_path), collective, control)
-    ranks = [context.Process(target=_interrupted_rank, args=(r, *args)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=120 + 4 * TIMEOUT_S)
-        assert p.exitcode == 0
-    lead, other = (torch.load(tmp_path / f"interrupted-{r}.pt") for r in range(2))
+    lead, other = _two_ranks(_interrupted_rank, "interrupted", path, tmp_path, collective, control)
     assert "error" not in lead and "error" not in other, (lead.get("error"), other.get("error"))
     assert lead["interrupted"] and torch.equal(lead["before"], lead["after"])

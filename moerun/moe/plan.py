@@ -29,6 +29,12 @@ class BatchedPlan:
     def num_tokens(self) -> int:
         return self.order.numel() // self.top_k
 
+    @property
+    def row_experts(self) -> torch.Tensor:
+        """[T*k] int64 on the CPU: the expert each row goes to (ascending, as the rows are grouped)."""
+        counts = self.offsets.diff().cpu()
+        return torch.repeat_interleave(torch.arange(counts.numel()), counts)
+
 
 def build_plan(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> BatchedPlan:
     """ids [T, k] int64 and weights [T, k] -> the batched plan over `num_experts` experts."""

@@ -295,7 +295,7 @@ def _table_rows(
     token of one slot, so its row is 0 + w * y, the decode step's term."""
     num_rows, E = plan.order.numel(), plan.offsets.numel() - 1
     rows = ws.get("rows", (num_rows, x.shape[1]), torch.float32, x.device)
-    row_experts = torch.repeat_interleave(torch.arange(E), plan.offsets.diff().cpu())  # [T*k]
+    row_experts = plan.row_experts
     wanted = sorted(only) if only is not None else list(range(E))
     if not wanted:
         return rows

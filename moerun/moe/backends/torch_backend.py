@@ -47,10 +47,7 @@ def expert_rows(
     One token: `token_rows`, the decode step's matrix-vector products, so that the rows summed in
     plan order are `token_forward`'s sum, the same bits."""
     if x.shape[0] == 1:  # a token's assignments are its experts ascending, the plan's order
-        row_experts = torch.repeat_interleave(
-            torch.arange(plan.offsets.numel() - 1), plan.offsets.diff().cpu()
-        )
-        token = TokenPlan(row_experts.tolist(), plan.row_weights)
+        token = TokenPlan(plan.row_experts.tolist(), plan.row_weights)
         out = ws.get("rows", (len(token.experts), x.shape[1]), torch.float32, x.device)
         return token_rows(x[0], token, experts, act, only, out)
     return rows_by_expert(x, plan, ws, lambda rows, e: _expert_forward(rows, experts, e, act), only)

@@ -110,7 +110,7 @@ def row(nbytes: float, per: list[tuple[float, float]], bw: float) -> str:
 
 def moe_step(step, x, weights, integer, variant):
     gate_up, down, slot, _ = step
-    return cpu.moe_decode(x, gate_up, down, slot, weights, GLU(), integer, variant=variant)
+    return cpu.moe_decode(x, gate_up, down, (slot, weights), GLU(), integer, variant=variant)
 
 
 def with_threads(n: int, fn):

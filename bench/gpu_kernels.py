@@ -28,8 +28,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moerun.bench.layer import SHAPES, BenchShape, copy_bandwidth, random_layer  # noqa: E402
-from moerun.moe.backends import KernelOptions  # noqa: E402
-from moerun.moe.layer import MoELayer  # noqa: E402
+from moerun.moe.backends import ActivationMode  # noqa: E402
+from moerun.moe.layer import MoELayer, layer_run  # noqa: E402
 from moerun.quant.formats import QTensor, get_format  # noqa: E402
 
 # (shape, format of the expert weights) pairs the issue asks for
@@ -77,9 +77,9 @@ def make_layer(
         gen = torch.Generator(device=device).manual_seed(0)
         for name in ("experts.gate_up", "experts.down"):
             tensors[name] = random_blocks(fmt, tuple(tensors[name].shape), device, gen)
-    options = KernelOptions(int8_activations=q8_1)
-    name = f"bench.{shape_name}"
-    return MoELayer(dense.spec, tensors, name=name, backend=backend, dtype=torch.bfloat16, options=options)
+    activations = ActivationMode.INT8 if q8_1 else ActivationMode.EXACT
+    run = layer_run(tensors, torch.bfloat16, device, backend, activations)
+    return MoELayer(dense.spec, tensors, name=f"bench.{shape_name}", run=run)
 
 
 def _seconds(fn, device: str, repeats: int) -> float:
@@ -118,7 +118,7 @@ def bench_decode(shape_name: str, fmt: str, q8_1: bool, device: str, bandwidth: 
     for _ in range(3):  # compile, then capture the graph
         layer(x)
     whole = _median(lambda: layer(x), device, repeats)
-    prepared = triton_backend._prepared(layer.experts, torch.device(device))
+    prepared = triton_backend._prepared(layer.experts, torch.device(device), layer.backend)
     ids = torch.arange(spec.top_k, dtype=torch.int32, device=device)
     weights = torch.full((spec.top_k,), 1.0 / spec.top_k, device=device)
     step = prepared.decode_graph(x[0], spec.top_k, spec.activation, layer.experts.dtype)

@@ -1,8 +1,9 @@
 """moerun: Mixture-of-Experts language models, fast on one GPU and correct on a CPU."""
 
+from moerun.batching import Token
 from moerun.checkpoint.load import load
-from moerun.decoder.model import MoEModel, Token
 from moerun.errors import CheckpointError, ConfigError, GGUFMetadataError, TensorError, TokenizerError
+from moerun.model import MoEModel
 from moerun.moe.layer import MoELayer, MoESpec, StateDictError
 from moerun.moe.routing import RouterError
 

@@ -2,7 +2,7 @@
 
 A `Batch` holds the running sequences, each with its own KV cache, sampler, token budget and stop
 strings. Each `step` feeds every sequence its next input (a chunk of the prompt it has not read yet,
-or the token it picked last) to one `MoEModel.forward_sequences` pass, where the MoE layers see all
+or the token it picked last) to one `Decoder.forward_sequences` pass, where the MoE layers see all
 the step's tokens as one batch, so an expert that several sequences chose is read once. Then each
 sequence whose input is all read picks its next token from its last position's logits
 (moerun.sampling), and the tokens it releases come back. Sequences join between steps (`add`) and
@@ -26,7 +26,7 @@ from moerun.text.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:
     from moerun.decoder.kv_cache import KVCache
-    from moerun.decoder.model import MoEModel
+    from moerun.decoder.model import Decoder
 
 # a sequence's finish_reason: "stop" (an end-of-sequence id or a stop string), "length" (its token
 # budget), "context" (its context filled first), "cancelled"; None while it runs
@@ -64,7 +64,7 @@ class Request:
     @classmethod
     def make(
         cls,
-        model: MoEModel,
+        model: Decoder,
         prompt,
         max_new_tokens: int | None = 128,
         stop: Sequence[str] = (),
@@ -164,7 +164,7 @@ class Generation:
     """One generation in a batch: its cache holds `seen[:cache.length]` (prompt, then output), and
     its next input is whatever of `seen` the cache does not hold yet."""
 
-    def __init__(self, model: MoEModel, request: Request, prefix: tuple[KVCache, list[int]] | None = None):
+    def __init__(self, model: Decoder, request: Request, prefix: tuple[KVCache, list[int]] | None = None):
         self.request = request
         prompt = list(request.prompt)
         budget = request.max_new_tokens
@@ -230,7 +230,7 @@ class Generation:
 class Batch:
     """The running sequences of one model, stepped together."""
 
-    def __init__(self, model: MoEModel):
+    def __init__(self, model: Decoder):
         self.model = model
         self.running: list[Generation] = []
 

@@ -18,7 +18,7 @@ __all__ = ["FINISH_REASONS", "Generator", "Token", "prompt_ids"]
 
 if TYPE_CHECKING:
     from moerun.decoder.kv_cache import KVCache
-    from moerun.decoder.model import MoEModel
+    from moerun.decoder.model import Decoder
 
 
 def is_batch(prompt) -> bool:
@@ -35,7 +35,7 @@ class Generator:
     """Generates for one model: `generate` (the model's `generate`), `stats` (its `stats`). Holds
     the figures of the last generation and, for `reuse_prefix`, the KV cache it left."""
 
-    def __init__(self, model: MoEModel):
+    def __init__(self, model: Decoder):
         self.model = model
         self.last_run: dict = {}
         # generate(reuse_prefix=True): the KV cache of the last such generation and the ids it holds

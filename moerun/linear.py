@@ -1,7 +1,7 @@
 """y = x · Wᵀ (+ b): every projection of a model (attention, dense and shared MLPs, lm_head), with W
 dense [out, in] or quantised (a QTensor of the file's bytes).
 
-On a CPU with the native kernel layer (moerun.cpu; `native=True`, chosen once at load) the weights
+On a CPU with the native kernel layer (moerun.cpu; `native_linear`, the cpu backend's) the weights
 stay in the file's format: a few rows of x (decode, a server's small batches) and every quantised
 weight go through its kernels, `integer` choosing int8 activations or exact fp32 ones. Many rows of
 a dense weight go through torch's GEMM (oneDNN), which is compute-bound work the native layer does
@@ -21,7 +21,7 @@ from moerun import cpu
 from moerun.quant.formats import QTensor
 
 Weight = torch.Tensor | QTensor
-Linear = Callable[..., torch.Tensor]  # linear, or linear with native and integer bound
+Linear = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> y: a backend's `linear`
 
 # Rows of x up to which the MoE layer's dense experts go through the native kernels: each expert
 # sees a few of the step's tokens, memory-bound work where they read its rows once for all of them.
@@ -43,21 +43,23 @@ def native_weight(weight: Weight) -> tuple[str, torch.Tensor]:
     return _FORMAT_OF_DTYPE[weight.dtype], weight
 
 
-def linear(
-    x: torch.Tensor,
-    weight: Weight,
-    bias: torch.Tensor | None = None,
-    native: bool = False,
-    integer: bool = False,
-) -> torch.Tensor:
-    """x [..., in] -> [..., out] in x's dtype (computed in fp32 on the native path)."""
-    rows = x.numel() // x.shape[-1]
-    if native and (isinstance(weight, QTensor) or rows <= NATIVE_DENSE_ROWS):
-        fmt, data = native_weight(weight)
-        y = cpu.matmul(fmt, data, x.reshape(rows, x.shape[-1]).float(), integer=integer)  # [rows, out] fp32
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] -> [..., out] in x's dtype, in torch (dense weights)."""
     # torch's own choice of kernel: a 1-row bf16 torch.mv read the weight 1.4x faster than F.linear
     # on a Xeon but 3x slower on a Zen 5 (docs/PERFORMANCE.md), so neither is preferred here
     return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
+def native_linear(
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, integer: bool = False
+) -> torch.Tensor:
+    """x [..., in] -> [..., out] in x's dtype, on the native kernels (computed in fp32) where the
+    weight is quantised or x has few rows, else in torch; `integer`: int8 activations."""
+    rows = x.numel() // x.shape[-1]
+    if not isinstance(weight, QTensor) and rows > NATIVE_DENSE_ROWS:
+        return linear(x, weight, bias)
+    fmt, data = native_weight(weight)
+    y = cpu.matmul(fmt, data, x.reshape(rows, x.shape[-1]).float(), integer=integer)  # [rows, out] fp32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])

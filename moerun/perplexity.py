@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from moerun.decoder.model import MoEModel
+    from moerun.decoder.model import Decoder
 
 
 def windows(length: int, ctx_size: int, stride: int) -> list[tuple[int, int, int]]:
@@ -32,7 +32,7 @@ def windows(length: int, ctx_size: int, stride: int) -> list[tuple[int, int, int
 
 
 def perplexity(
-    model: MoEModel,
+    model: Decoder,
     ids: Sequence[int],
     ctx_size: int = 512,
     stride: int | None = None,

@@ -18,16 +18,16 @@ from test_layer_oracle import CASES, _family
 import moerun
 from moerun import cpu
 from moerun.families.moe_block import layer_from_transformers
-from moerun.linear import linear
-from moerun.moe.backends import KernelOptions, resolve_backend
-from moerun.moe.layer import MoELayer, MoESpec
+from moerun.linear import native_linear
+from moerun.moe.backends import ActivationMode, resolve_backend
+from moerun.moe.layer import MoELayer, MoESpec, layer_run
 from moerun.moe.routing import SoftmaxTopK, route
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
 from moerun.quant.quantize import quantize
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"native CPU kernels: {cpu.unavailable_reason()}")
-EXACT, INT8 = KernelOptions(int8_activations=False), KernelOptions(int8_activations=True)
+EXACT, INT8 = ActivationMode.EXACT, ActivationMode.INT8
 
 
 @pytest.mark.parametrize("tokens", [1, 37])
@@ -52,7 +52,7 @@ MIXES = [
 ]
 
 
-def _layer(gate_up: str, down: str, backend: str, options: KernelOptions = EXACT) -> MoELayer:
+def _layer(gate_up: str, down: str, backend: str, activations: ActivationMode = EXACT) -> MoELayer:
     gen = torch.Generator().manual_seed(0)
     tensors = {
         name: torch.randn(shape, generator=gen) * (1.0 if name.startswith("router") else shape[-1] ** -0.5)
@@ -60,7 +60,9 @@ def _layer(gate_up: str, down: str, backend: str, options: KernelOptions = EXACT
     }
     tensors["experts.gate_up"] = quantize(tensors["experts.gate_up"], gate_up)
     tensors["experts.down"] = quantize(tensors["experts.down"], down)
-    return MoELayer.from_tensors(SPEC, tensors, backend=backend, options=options)
+    return MoELayer.from_tensors(
+        SPEC, tensors, run=layer_run(tensors, backend=backend, activations=activations)
+    )
 
 
 @pytest.mark.parametrize("tokens", [1, 19])
@@ -95,8 +97,8 @@ def test_int8_linear_stays_within_the_bound_of_its_activation_rounding(fmt):
     block = 256 if fmt.endswith("_k") else 32
     step = x.view(3, -1, block).abs().amax(-1, keepdim=True).expand(-1, -1, block).reshape(3, 512) / 254
     bound = step @ dequantize(weight).abs().T  # [3, 64]
-    exact = linear(x, weight, native=True, integer=False)
-    rounded = linear(x, weight, native=True, integer=True)
+    exact = native_linear(x, weight, integer=False)
+    rounded = native_linear(x, weight, integer=True)
     assert ((rounded - exact).abs() <= bound * 1.001 + 1e-5).all()
     assert rel_err(exact, x @ dequantize(weight).T) <= 1e-5
 
@@ -114,7 +116,7 @@ def q4_k_gguf(tmp_path_factory):
 def test_quantised_linears_stay_in_the_files_format(q4_k_gguf):
     path, _ = q4_k_gguf
     model = moerun.load(path, dtype=torch.float32)
-    assert model.mlps[0].backend.__name__.endswith("cpu_backend")
+    assert model.mlps[0].backend.name == "cpu"
     projections = [a.t[f"{p}.weight"] for a in model.attentions for p in "qkvo"]
     assert projections and all(isinstance(w, QTensor) and w.format.name == "q4_k" for w in projections)
     torch_model = moerun.load(path, dtype=torch.float32, backend="torch")
@@ -127,12 +129,12 @@ def test_a_bf16_model_decodes_with_int8_activations_by_default_and_fp32_exactly(
     path, _ = q4_k_gguf
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
     exact = moerun.load(path, dtype=torch.float32)
-    assert exact.project.keywords == {"native": True, "integer": False}
+    assert exact.run.backend.native_linears and not exact.run.backend.int8_activations
     default = moerun.load(path, dtype=torch.bfloat16)
-    assert default.project.keywords == {"native": True, "integer": True}
-    assert all(moe.options.int8_on_cpu(torch.bfloat16) for moe in default._moes)
+    assert default.run.backend.int8_activations
+    assert all(moe.backend is default.run.backend for moe in default._moes)  # decided once, for all
     asked = moerun.load(path, dtype=torch.bfloat16, int8_activations=False)
-    assert asked.project.keywords == {"native": True, "integer": False}
+    assert not asked.run.backend.int8_activations
     # each int8 projection is within its derived bound (test above); through a random model's
     # attention and routing the logits move further, so here only: they move, and stay finite
     rounded, fp32 = default.logits(ids), exact.logits(ids)
@@ -151,14 +153,14 @@ def test_without_the_native_kernels_auto_runs_the_torch_backend(q4_k_gguf):
     path, _ = q4_k_gguf
     code = (
         "import sys, torch, moerun; m = moerun.load(sys.argv[1], dtype=torch.float32);"
-        "print(m.mlps[0].backend.__name__);"
+        "print(m.mlps[0].backend.name);"
         "ids = torch.arange(9)[None] % 90; sys.stdout.write(m.logits(ids).numpy().tobytes().hex())"
     )
     env = {**os.environ, "MOERUN_CPU_ISA": "off"}
     run = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     backend, logits = run.stdout.split("\n", 1)
-    assert backend.endswith("torch_backend")
+    assert backend == "torch"
     fallback = torch.frombuffer(bytearray(bytes.fromhex(logits)), dtype=torch.float32)
     native = moerun.load(path, dtype=torch.float32).logits(torch.arange(9)[None] % 90).reshape(-1)
     assert rel_err(native, fallback) <= 1e-4
@@ -171,23 +173,21 @@ def test_a_batch_gives_each_token_the_bits_it_gets_alone(gate_up, down, tokens):
     expert's rows read once for all its tokens: the torch backend's outputs to fp32 rounding, and
     through the layer (native routing, each token alone) each token's own one-token step bit for bit:
     what a token computes does not depend on its batch."""
-    from moerun.moe.backends import cpu_backend
-
     x = torch.randn(tokens, QH, generator=torch.Generator().manual_seed(7))
-    for options in (EXACT, INT8):
-        layer = _layer(gate_up, down, "cpu", options)
-        _, ids, weights = cpu_backend.route_tokens(x, SPEC.routing, layer.tensors, "moe")
+    for activations in (EXACT, INT8):
+        layer = _layer(gate_up, down, "cpu", activations)
+        _, _, ids, weights = layer.backend.route(x, SPEC.routing, layer.tensors, "moe", [])
         want_weights, want_ids = route(
             SPEC.routing, torch.nn.functional.linear(x, layer.tensors["router.weight"])
         )
         assert torch.equal(ids, want_ids) and rel_err(weights, want_weights) <= 1e-5  # torch's routing
 
-        args = (x, ids, weights, layer.experts, SPEC.activation, options)
-        batch = cpu_backend.tokens_forward(*args)
-        assert torch.equal(batch, cpu_backend.tokens_forward(*args))  # run to run
+        args = (x, ids, weights, layer.experts, SPEC.activation)
+        batch = layer.backend.tokens_forward(*args)
+        assert torch.equal(batch, layer.backend.tokens_forward(*args))  # run to run
         alone = torch.cat([layer(x[t : t + 1]) for t in range(tokens)])
         assert torch.equal(batch, alone) and torch.equal(layer(x), alone)
-        if options is EXACT:
+        if activations is EXACT:
             assert rel_err(batch, _layer(gate_up, down, "torch")(x)) <= 1e-5
 
 
@@ -207,7 +207,7 @@ def test_a_prompt_runs_each_expert_once_with_the_row_kernels_bits(gate_up, down,
     assert torch.bincount(ids.reshape(-1)).max() >= 16  # an expert with enough tokens for every GEMM
     pointers, formats = table.rows(distinct, distinct)
     slots = torch.searchsorted(distinct, ids).to(torch.int32)
-    args = (x, pointers, formats, QI, slots, weights.contiguous(), SPEC.activation, True)
+    args = (x, cpu.ExpertTable(pointers, formats, QI), (slots, weights.contiguous()), SPEC.activation, True)
     assert torch.equal(cpu.moe_decode_table(*args), cpu.moe_decode_table(*args, gemm=False))
     exact = _layer(gate_up, down, "cpu", EXACT)(x)
     assert rel_err(exact, _layer(gate_up, down, "torch")(x)) <= 1e-5
@@ -220,23 +220,21 @@ def test_expert_rows_are_the_terms_of_the_one_call_sum(gate_up, down, tokens):
     """expert_rows on the native kernels (what each rank computes under expert parallelism): summed
     in plan order they are tokens_forward's outputs bit for bit; computed for a span of experts or
     scattered ones, each row is the one computed for all of them."""
-    from moerun.moe.backends import cpu_backend
     from moerun.moe.backends.workspace import Workspace
 
     x = torch.randn(tokens, QH, generator=torch.Generator().manual_seed(9))
-    for options in (EXACT, INT8):
-        layer = _layer(gate_up, down, "cpu", options)
+    for activations in (EXACT, INT8):
+        layer = _layer(gate_up, down, "cpu", activations)
         weights, ids = route(SPEC.routing, torch.nn.functional.linear(x, layer.tensors["router.weight"]))
-        plan = cpu_backend.batch_plan(ids, weights, SPEC.num_experts)
+        backend = layer.backend
+        plan = backend.batch_plan(ids, weights, SPEC.num_experts)
         ws = Workspace()
-        rows = cpu_backend.expert_rows(x, plan, layer.experts, SPEC.activation, ws, options).clone()
-        summed = cpu_backend.combine(rows, plan, ws)
-        want = cpu_backend.tokens_forward(x, ids, weights, layer.experts, SPEC.activation, options)
+        rows = backend.expert_rows(x, plan, layer.experts, SPEC.activation, ws).clone()
+        summed = backend.combine(rows, plan, ws)
+        want = backend.tokens_forward(x, ids, weights, layer.experts, SPEC.activation)
         assert torch.equal(summed, want)
         offsets = plan.offsets.tolist()
         for only in ([1, 2], [0, 3]):
-            some = cpu_backend.expert_rows(
-                x, plan, layer.experts, SPEC.activation, Workspace(), options, only
-            )
+            some = backend.expert_rows(x, plan, layer.experts, SPEC.activation, Workspace(), only)
             for e in only:
                 assert torch.equal(some[offsets[e] : offsets[e + 1]], rows[offsets[e] : offsets[e + 1]])

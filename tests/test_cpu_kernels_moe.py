@@ -50,8 +50,8 @@ CASES = [
 @pytest.mark.parametrize("T", [1, 16])
 def test_exact_moe_decode_matches_torch_reference(variant, gu_fmt, down_fmt, act, biases, T):
     x, gu, dn, se, sw, gub, db = make_step(gu_fmt, down_fmt, T, biases)
-    out = cpu.moe_decode(x, gu, dn, se, sw, act, False, gub, db, variant=variant)
-    expected = ref.moe_decode(x, gu, dn, se, sw, act, False, gub, db)
+    out = cpu.moe_decode(x, gu, dn, (se, sw), act, False, (gub, db), variant=variant)
+    expected = ref.moe_decode(x, gu, dn, (se, sw), act, False, (gub, db))
     # fp32 sums over H and I elements and fp32 activations: a few 1e-6 of the output's scale
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
 
@@ -62,12 +62,12 @@ def test_exact_moe_decode_matches_torch_reference(variant, gu_fmt, down_fmt, act
 @pytest.mark.parametrize("T", [1, 8])
 def test_integer_moe_decode_matches_integer_reference(variant, gu_fmt, down_fmt, act, biases, T):
     x, gu, dn, se, sw, gub, db = make_step(gu_fmt, down_fmt, T, biases)
-    out = cpu.moe_decode(x, gu, dn, se, sw, act, True, gub, db, variant=variant)
-    expected = ref.moe_decode(x, gu, dn, se, sw, act, True, gub, db)
+    out = cpu.moe_decode(x, gu, dn, (se, sw), act, True, (gub, db), variant=variant)
+    expected = ref.moe_decode(x, gu, dn, (se, sw), act, True, (gub, db))
     # The activation is computed from fp32 gate_up outputs (reference: float64) and re-quantised, so
     # an element within rounding of a q8 step may land one step apart: allow 8 such steps per token,
     # each at most max|down weight| * the block's step (max|a| / 127) * the slot weight.
-    exact = ref.moe_decode(x, gu, dn, se, sw, act, False, gub, db)
+    exact = ref.moe_decode(x, gu, dn, (se, sw), act, False, (gub, db))
     step = 8 * max(float(cpu_dense(d).abs().max()) for d in dn) * float(exact.abs().max() + 1) / 127
     err = (out.double() - expected).abs().max()
     assert err <= 1e-5 * float(expected.abs().max()) + step
@@ -100,8 +100,7 @@ def test_moe_decode_bitwise_over_threads_and_resident_vs_copied_weights(integer)
                     x,
                     [("q4_k", resident_gu[e]) for e in range(E)],
                     [("q6_k", resident_dn[e]) for e in range(E)],
-                    se,
-                    sw,
+                    (se, sw),
                     GLU(),
                     integer,
                 )
@@ -117,8 +116,7 @@ def test_moe_decode_bitwise_over_threads_and_resident_vs_copied_weights(integer)
                     x,
                     [("q4_k", m) for m in moved[:E]],
                     [("q6_k", m) for m in moved[E:]],
-                    se,
-                    sw,
+                    (se, sw),
                     GLU(),
                     integer,
                 )
@@ -133,7 +131,7 @@ def test_moe_decode_bitwise_over_threads_and_resident_vs_copied_weights(integer)
 def test_moe_decode_refuses_an_out_of_range_expert():
     x, gu, dn, se, sw, _, _ = make_step("q8_0", "q8_0", 1)
     with pytest.raises(ValueError, match="index the 5 experts"):
-        cpu.moe_decode(x, gu, dn, se + 10, sw, GLU())
+        cpu.moe_decode(x, gu, dn, (se + 10, sw), GLU())
 
 
 def _child(env_extra: dict[str, str], code: str) -> subprocess.CompletedProcess:
@@ -196,12 +194,12 @@ def test_moe_decode_with_skewed_routing_splits_work_and_keeps_bits(integer):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu.moe_decode(x, gu, dn, se, sw, GLU(), integer)
+        one = cpu.moe_decode(x, gu, dn, (se, sw), GLU(), integer)
         torch.set_num_threads(2)
-        two = cpu.moe_decode(x, gu, dn, se, sw, GLU(), integer)
+        two = cpu.moe_decode(x, gu, dn, (se, sw), GLU(), integer)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one.view(torch.int32), two.view(torch.int32))
-    expected = ref.moe_decode(x, gu, dn, se, sw, GLU(), False)
+    expected = ref.moe_decode(x, gu, dn, (se, sw), GLU(), False)
     tol = (0.05 if integer else 1e-4) * float(expected.abs().max())
     assert (one.double() - expected).abs().max() <= tol

@@ -618,7 +618,7 @@ def test_a_rank_other_than_0_reads_nothing_but_its_experts(name, streamed, tmp_p
     only (streamed: the expert store reads them when a step needs them)."""
     import moerun.checkpoint.load as load
 
-    monkeypatch.setattr(load, "MoEModel", lambda config, tensors, **options: (config, tensors))
+    monkeypatch.setattr(load, "MoEModel", lambda config, tensors, *rest: (config, tensors))
     options = {"expert_cache_gb": 1.0} if streamed else {}
     config, tensors = moerun.load(
         LOADED[name](tmp_path), dtype=torch.float32, expert_parallel=_Rank1Of2(), **options

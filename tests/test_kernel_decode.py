@@ -276,7 +276,7 @@ def _step_case(gate_up_fmt: str, down_fmt: str, act: str, with_bias: bool, k: in
 
     biases = (_bias(2 * inter, with_bias, 22), _bias(hidden, with_bias, 23))
     biases = tuple(b if b is None else b.to(dtype) for b in biases)
-    experts_w = ExpertWeights(*map(by_expert, weights_by_slot), *biases, dtype=dtype, layer_name="decode")
+    experts_w = ExpertWeights(*map(by_expert, weights_by_slot), biases, dtype=dtype, layer_name="decode")
     x = torch.randn(hidden, generator=_gen(24)).to(dtype).float().to(DEVICE)
     experts, slots, weights = _table(k, seed=25)
     plan = build_token_plan(experts.long().cpu().flip(0), weights.cpu().flip(0))  # sorts them back

@@ -169,7 +169,7 @@ def _torch_backend(p, act, gate_up=None, down=None, dtype=None):
     experts = ExpertWeights(
         p["gate_up"] if gate_up is None else gate_up,
         p["down"] if down is None else down,
-        *p["biases"],
+        tuple(p["biases"]),
         dtype=dtype or p["x"].dtype,
         layer_name="test",
     )

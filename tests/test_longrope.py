@@ -255,7 +255,7 @@ def test_the_native_one_call_decode_step_across_the_boundary(tmp_path):
     hf = make_model("mixtral", head_dim=8, rope_parameters={**rope, "factor": 8.0})
     path = save_model(hf, tmp_path)
     ours = moerun.load(path, dtype=torch.float32)
-    assert ours._native_decode
+    assert ours._decode_step is not None
     ids = IDS[:, :24]
     cache = ours.new_cache(1, 24)
     with torch.inference_mode():

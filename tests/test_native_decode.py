@@ -1,6 +1,7 @@
-"""The native decode step (moerun.cpu.AttentionDecode, moerun.cpu.moe_route, MoELayer.decode_token):
-one token through a decoder layer in native calls, against moerun's torch attention and routing
-(each variant the families use) and, whole models, against transformers token by token."""
+"""The native decode step (moerun.decoder.native_step: moerun.cpu.AttentionDecode, and moerun.cpu.moe_route
+with the norm fused into the MoE layer's route): one token through a decoder layer in native calls,
+against moerun's torch attention and routing (each variant the families use) and, whole models,
+against transformers token by token."""
 
 import pytest
 import torch
@@ -170,7 +171,7 @@ def test_fp32_decode_matches_transformers_token_by_token(family_checkpoint):
     model = moerun.load(path, dtype=torch.float32)
     ids = torch.randint(0, VOCAB, (1, 14), generator=torch.Generator().manual_seed(3))
     ours = _decoded(model, ids, prompt=3)
-    assert model._native_steps is not None  # the decode steps ran natively
+    assert model._decode_step.attention_steps is not None  # the decode steps ran natively
     assert rel_err(ours, hf_logits(hf, ids)[0]) <= 1e-4
 
 

@@ -108,7 +108,7 @@ def test_decode_steps_match_transformers(saved, backend):
     the general path (their MoE layers still on the native kernels)."""
     hf, paths = saved
     ours = moerun.load(paths[False], dtype=torch.float32, backend=backend)
-    assert not ours._native_decode
+    assert ours._decode_step is None
     ids = IDS[:1, :12]
     cache = ours.new_cache(1, 12)
     steps = [ours.hidden_logits(ours.forward(ids[:, i : i + 1], cache)[0, -1]) for i in range(12)]

@@ -1,13 +1,14 @@
 """Quantised experts in the layer: the output equals the dense layer run on the dequantised
 weights, for prefill and decode, for every format, mixed per projection."""
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 from conftest import rel_err
 
-from moerun.moe.layer import MoELayer, MoESpec
+from moerun.moe.layer import MoELayer, MoESpec, layer_run
 from moerun.moe.routing import SoftmaxTopK
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
@@ -39,7 +40,8 @@ def _layers(gate_up_format: str, down_format: str, cache: DequantCache | None = 
     tensors = _dense_tensors(spec)
     tensors["experts.gate_up"] = _quantised("experts.gate_up", gate_up_format)
     tensors["experts.down"] = _quantised("experts.down", down_format)
-    quantised = MoELayer.from_tensors(spec, tensors, dequant_cache=cache)
+    run = dataclasses.replace(layer_run(tensors), dequant_cache=cache)
+    quantised = MoELayer.from_tensors(spec, tensors, run=run)
     dense = {k: dequantize(v) if k.startswith("experts.") else v for k, v in tensors.items()}
     return quantised, MoELayer.from_tensors(spec, dense)
 
@@ -77,7 +79,7 @@ def test_bf16_compute_on_quantised_experts():
     tensors = _dense_tensors(spec)
     tensors["experts.gate_up"] = _quantised("experts.gate_up", "q4_k")
     tensors["experts.down"] = _quantised("experts.down", "q4_k")
-    layer = MoELayer.from_tensors(spec, tensors, dtype=torch.bfloat16)
+    layer = MoELayer.from_tensors(spec, tensors, run=layer_run(tensors, torch.bfloat16))
     reference = MoELayer.from_tensors(
         spec, {k: dequantize(v) if k.startswith("experts.") else v for k, v in tensors.items()}
     )

@@ -13,8 +13,8 @@ from hf_blocks import H, make_block, run_block
 from test_layer_oracle import CASES, _family
 
 from moerun.families.moe_block import layer_from_transformers
-from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, KernelOptions, resolve_backend
-from moerun.moe.layer import MoELayer, MoESpec
+from moerun.moe.backends import ActivationMode, resolve_backend
+from moerun.moe.layer import MoELayer, MoESpec, layer_run
 from moerun.moe.routing import SoftmaxTopK
 from moerun.quant.dequant import dequantize
 from moerun.quant.quantize import quantize
@@ -66,12 +66,12 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _quantised_layer(
-    gate_up_format: str, down_format: str, backend: str, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+    gate_up_format: str, down_format: str, backend: str, activations: ActivationMode | None = None
 ) -> MoELayer:
     tensors = _tensors()
     tensors["experts.gate_up"] = quantize(tensors["experts.gate_up"], gate_up_format)
     tensors["experts.down"] = quantize(tensors["experts.down"], down_format)
-    return MoELayer.from_tensors(SPEC, tensors, backend=backend, device=DEVICE, options=options)
+    return MoELayer.from_tensors(SPEC, tensors, run=layer_run(tensors, None, DEVICE, backend, activations))
 
 
 @pytest.mark.parametrize("tokens", [1, 19])
@@ -99,8 +99,8 @@ def test_quantised_layer_matches_dense_on_dequantised_weights(gate_up, down, tok
 def test_layers_the_kernels_cannot_run_fall_back_to_torch_with_a_warning():
     tensors = _tensors()
     with pytest.warns(UserWarning, match="compute in fp32, bf16 or f16, not torch.float64"):
-        layer = MoELayer.from_tensors(SPEC, tensors, backend="triton", dtype=torch.float64, device=DEVICE)
-    reference = MoELayer.from_tensors(SPEC, tensors, backend="torch", dtype=torch.float64, device=DEVICE)
+        layer = MoELayer.from_tensors(SPEC, tensors, run=layer_run(tensors, torch.float64, DEVICE, "triton"))
+    reference = MoELayer.from_tensors(SPEC, tensors, run=layer_run(tensors, torch.float64, DEVICE, "torch"))
     x = torch.randn(5, QH, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
     assert torch.equal(layer(x), reference(x))
 
@@ -118,7 +118,7 @@ def test_whole_model_logits_and_greedy_tokens_match_transformers(tmp_path):
         expected = model(ids).logits[0]
         greedy = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :].tolist()
     ours = moerun.load(tmp_path, device=DEVICE, dtype=torch.float32, backend="triton")
-    assert all(layer.backend.__name__.endswith("triton_backend") for layer in _moe_layers(ours))
+    assert all(layer.backend.name == "triton" for layer in _moe_layers(ours))
     assert rel_err(ours.logits(ids[0].to(DEVICE)).cpu(), expected) <= 1e-4
     assert [t.id for t in ours.generate(ids[0].tolist(), max_new_tokens=6)] == greedy
 
@@ -248,7 +248,7 @@ def test_integer_decode_path_on_q8_1_activations():
     to the float path (the activations are rounded to 8 bits per block of 32)."""
     x = torch.randn(1, QH, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     exact = _quantised_layer("q4_k", "q6_k", "triton")(x)
-    rounded = _quantised_layer("q4_k", "q6_k", "triton", KernelOptions(int8_activations=True))(x)
+    rounded = _quantised_layer("q4_k", "q6_k", "triton", ActivationMode.INT8)(x)
     assert not torch.equal(exact, rounded)
     assert rel_err(rounded.cpu(), exact.cpu()) <= 2e-2
 

@@ -24,7 +24,7 @@ import torch
 from moerun.bench.layer import copy_bandwidth
 from moerun.bench.weight_bytes import gguf_decode_bytes, model_decode_bytes
 from moerun.checkpoint.load import load
-from moerun.decoder.model import MoEModel
+from moerun.model import MoEModel
 from moerun.moe.backends import resolve_backend
 from moerun.quant.formats import COMPUTE_DTYPES
 

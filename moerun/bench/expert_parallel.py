@@ -16,11 +16,12 @@ import torch
 
 from moerun.bench.model import GENERATED, build_pair
 from moerun.checkpoint.hf import canonical_tensors
-from moerun.decoder.model import MoEModel
 from moerun.distributed import ExpertParallel
 from moerun.distributed.expert_parallel import COLLECTIVES, StepFigures
 from moerun.families import family
+from moerun.model import MoEModel
 from moerun.moe.backends import resolve_backend
+from moerun.moe.run import RunSpec
 from moerun.quant.formats import COMPUTE_DTYPES
 
 
@@ -104,7 +105,9 @@ def run_expert_parallel_bench(
     state = peer.state_dict()
     config = family(GENERATED["olmoe"][0]).model_config(peer.config.to_dict())
     tensors, _ = canonical_tensors("olmoe", config, state.keys(), state.__getitem__)
-    sharded = MoEModel(config, tensors, dtype=COMPUTE_DTYPES[dtype], backend=backend, expert_parallel=ep)
+    sharded = MoEModel(
+        config, tensors, RunSpec.make("cpu", COMPUTE_DTYPES[dtype], backend, expert_parallel=ep)
+    )
     vocab = peer.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (1, prompt_tokens), generator=gen)

@@ -8,6 +8,7 @@ runs on the very same weight tensors, so the ratios compare like with like on th
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from moerun.bench.peers import peer_block, run_peer, transformers_available
 from moerun.families import family
 from moerun.families.moe_block import export
 from moerun.moe.backends import resolve_backend
-from moerun.moe.layer import MoELayer
+from moerun.moe.layer import MoELayer, layer_run
 from moerun.quant.cache import DequantCache
 from moerun.quant.formats import COMPUTE_DTYPES, QTensor
 from moerun.quant.quantize import quantize
@@ -81,7 +82,9 @@ def random_layer(
         router = name.startswith("router.")
         tensor = torch.empty(dims, dtype=torch.float32 if router else dtype, device=device)
         tensors[name] = tensor.uniform_(-bound, bound, generator=gen)
-    return MoELayer(spec, tensors, name=f"bench.{shape.model_type}", backend=backend)
+    return MoELayer(
+        spec, tensors, name=f"bench.{shape.model_type}", run=layer_run(tensors, dtype, device, backend)
+    )
 
 
 def quantised_layer(
@@ -102,9 +105,8 @@ def quantised_layer(
         repeats = -(-weight.shape[0] // distinct)
         data = sample.data.repeat(repeats, 1, 1)[: weight.shape[0]].contiguous()
         tensors[key] = QTensor(sample.format, tuple(weight.shape), data)
-    return MoELayer(
-        dense.spec, tensors, name=dense.name, dtype=dense.dtype, dequant_cache=cache, backend=dense.backend
-    )
+    run = dataclasses.replace(dense.run, dequant_cache=cache)
+    return MoELayer(dense.spec, tensors, name=dense.name, run=run)
 
 
 def copy_bandwidth(device: str, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:

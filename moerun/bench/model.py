@@ -12,9 +12,10 @@ import torch
 
 from moerun.bench.layer import copy_bandwidth, timed
 from moerun.checkpoint.hf import canonical_tensors
-from moerun.decoder.model import MoEModel
 from moerun.families import family
+from moerun.model import MoEModel
 from moerun.moe.backends import resolve_backend
+from moerun.moe.run import RunSpec
 from moerun.quant.formats import COMPUTE_DTYPES
 
 # OLMoE-1B-7B's shapes; the layer count is the benchmark's choice
@@ -93,7 +94,7 @@ def build_pair(
     model_config = family(model_type).model_config(config.to_dict())
     state = peer.state_dict()
     tensors, _ = canonical_tensors(model_type, model_config, state.keys(), state.__getitem__)
-    return peer, MoEModel(model_config, tensors, dtype=dtype, device=device, backend=backend)
+    return peer, MoEModel(model_config, tensors, RunSpec.make(device, dtype, backend))
 
 
 def logged_pair(

@@ -33,7 +33,7 @@ from moerun.bench.layer import copy_bandwidth
 from moerun.bench.model import OLMOE as OLMOE_SHAPES
 from moerun.bench.pagecache import cached_fraction, drop_page_cache
 from moerun.checkpoint.load import load
-from moerun.decoder.model import MoEModel
+from moerun.model import MoEModel
 from moerun.offload import minimum_bytes
 from moerun.quant.formats import COMPUTE_DTYPES
 

@@ -14,8 +14,8 @@ import math
 import torch
 
 from moerun.checkpoint.gguf import GGUF_EXPERT_TENSOR, gguf_model_config
-from moerun.decoder.model import MoEModel
 from moerun.loader import GGUFFile
+from moerun.model import MoEModel
 from moerun.quant.formats import QTensor
 
 

@@ -11,13 +11,14 @@ import re
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.decoder.config import ModelConfig
-from moerun.decoder.model import MoEModel, check_model_tensors
+from moerun.decoder.model import check_model_tensors
 from moerun.distributed import ExpertParallel
 from moerun.errors import CheckpointError, ConfigError, in_file, shorten
 from moerun.families import family
@@ -25,8 +26,10 @@ from moerun.families.fields import CheckedConfig
 from moerun.loader import GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.loader.hf_config import read_hf_config
 from moerun.loader.mapped import MappedFile
-from moerun.moe.backends import KernelOptions, resolve_backend
+from moerun.model import MoEModel
+from moerun.moe.backends import ActivationMode, make_backend
 from moerun.moe.layer import FP32_TENSORS
+from moerun.moe.run import RunSpec
 from moerun.offload import CacheBudgetError, ExpertCache, ExpertStore
 from moerun.offload.budget import KV_RESERVE_TOKENS, auto_budget, free_device_memory
 from moerun.offload.pieces import stand_ins
@@ -166,63 +169,35 @@ def load(
     `expert_parallel`: True (or a moerun.distributed.ExpertParallel) to hold only this rank's share
     of every MoE layer's experts, in the torch.distributed group torchrun started (joined here when
     needed); every rank must load the same checkpoint with the same options, which is checked. With
-    `expert_cache_gb` too, each rank streams its own experts through its own cache of that size."""
+    `expert_cache_gb` too, each rank streams its own experts through its own cache of that size.
+
+    Every setting is decided here, once, into the model's RunSpec (moerun.moe.run)."""
     if prefetch_k and expert_cache_gb is None:
         raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
     if host_cache_gb and expert_cache_gb is None:
         raise ValueError("host_cache_gb needs expert_cache_gb: the host tier serves the streamed experts.")
     if expert_parallel is True:
         expert_parallel = ExpertParallel.from_env(device=str(device))
+    device = torch.device(device)
     root = resolve_checkpoint(path)
-    backend = resolve_backend(backend, torch.device(device))
-    gguf = checkpoint = None
-    if root.is_file() and root.suffix == ".gguf":
-        from moerun.checkpoint.gguf import gguf_model, gguf_model_config
-
-        gguf = GGUFFile(root)
-        model_config = gguf_model_config(gguf)
-    else:
-        directory, weights = hf_paths(root)
-        model_config = hf_model_config(directory)
-        checkpoint = SafetensorsCheckpoint(weights)
+    modes = {None: None, True: ActivationMode.INT8, False: ActivationMode.EXACT}
+    backend = make_backend(backend, device, dtype, modes[int8_activations])
+    opened = _Opened.of(root)
     if expert_parallel:
-        options = f"{model_config!r} {dtype} {backend} {int8_activations}"
-        expert_parallel.check_same("checkpoint config and options", options)
+        expert_parallel.check_same("checkpoint config and options", f"{opened.config!r} {dtype} {backend!r}")
     fit = None
-    if (
-        not expert_parallel
-        and expert_cache_gb is None
-        and (free := free_device_memory(torch.device(device))) is not None
-    ):
-        dense, experts = _gguf_bytes(gguf, dtype) if gguf is not None else _hf_bytes(checkpoint, dtype)
-        fit = auto_budget(free, dense, experts, _kv_reserve_bytes(model_config, dtype))
-        if fit.budget_bytes is not None:
+    if not expert_parallel and expert_cache_gb is None:
+        fit = _fit(opened, device, dtype)
+        if fit is not None and fit.budget_bytes is not None:
             expert_cache_gb = fit.budget_bytes / 2**30
             print(f"moerun: {root}: {fit.describe()}", file=sys.stderr, flush=True)
     streamed = expert_cache_gb is not None
-    # resident: only this rank's experts, cut before anything is copied; streamed: the store describes
-    # every expert and reads only the rank's own
-    share = expert_parallel.shard(model_config.moe.num_experts) if expert_parallel and not streamed else None
-    # every rank but 0 computes only its experts: the rest of the checkpoint is never read there
-    experts_only = bool(expert_parallel) and not expert_parallel.leads
-    if gguf is not None:
-        model_config, tensors = gguf_model(
-            gguf, assemble=not streamed, share=share, experts_only=experts_only
-        )
-        files = [MappedFile(gguf.path, gguf.mapped)]
-        has_tokenizer = "tokenizer.ggml.model" in gguf.metadata
-        read = lambda: Tokenizer.from_gguf_metadata(gguf.metadata, source=str(root))  # noqa: E731
-        tokenizer = _tokenizer(read, root) if has_tokenizer else None
-    else:
-        tensors, files = _hf_model(root, checkpoint, model_config, dtype, streamed, share, experts_only)
-        has_tokenizer = (directory / "tokenizer.json").is_file()
-        tokenizer = _tokenizer(lambda: Tokenizer.from_hf_dir(directory), directory) if has_tokenizer else None
-    cache = DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None
+    config, tensors, files = opened.tensors(dtype, streamed, expert_parallel or None)
     expert_cache = None
     if streamed:
         try:
             expert_cache = _expert_cache(
-                model_config, tensors, files, dtype, device, expert_cache_gb, host_cache_gb
+                config, tensors, files, dtype, device, (expert_cache_gb, host_cache_gb)
             )
         except CacheBudgetError as err:
             if fit is None:
@@ -230,38 +205,99 @@ def load(
             raise CacheBudgetError(
                 f"{root}: the model does not fit the device: {fit.describe()} {err}"
             ) from None
-    return MoEModel(
-        model_config,
-        stand_ins(tensors),  # streamed experts: storage-free stand-ins; the expert store has the bytes
-        dtype=dtype,
+    run = RunSpec(
         device=device,
+        dtype=dtype,
         backend=backend,
-        dequant_cache=cache,
-        progress=progress,
+        dequant_cache=DequantCache(int(dequant_cache_gb * 2**30)) if dequant_cache_gb else None,
         expert_cache=expert_cache,
-        prefetch_k=prefetch_k,
-        tokenizer=tokenizer,
-        options=KernelOptions(int8_activations=int8_activations),
+        prefetch_k=prefetch_k or 0,
         expert_parallel=expert_parallel or None,
     )
+    # streamed experts: storage-free stand-ins; the expert store has the bytes
+    return MoEModel(config, stand_ins(tensors), run, opened.tokenizer(), progress)
+
+
+def _fit(opened: _Opened, device: torch.device, dtype: torch.dtype):
+    """The device's budget for the model (moerun.offload.budget), or None where the free memory is
+    not known (a CPU: the model runs resident)."""
+    free = free_device_memory(device)
+    if free is None:
+        return None
+    dense, experts = (
+        _gguf_bytes(opened.gguf, dtype) if opened.gguf is not None else _hf_bytes(opened.hf, dtype)
+    )
+    return auto_budget(free, dense, experts, _kv_reserve_bytes(opened.config, dtype))
+
+
+@dataclass
+class _Opened:
+    """A checkpoint opened for loading: its config, and the GGUF file or the HF directory and its
+    safetensors, nothing read yet but headers."""
+
+    root: Path
+    config: ModelConfig
+    gguf: GGUFFile | None = None
+    directory: Path | None = None
+    hf: SafetensorsCheckpoint | None = None
+
+    @classmethod
+    def of(cls, root: Path) -> _Opened:
+        if root.is_file() and root.suffix == ".gguf":
+            from moerun.checkpoint.gguf import gguf_model_config
+
+            gguf = GGUFFile(root)
+            return cls(root, gguf_model_config(gguf), gguf=gguf)
+        directory, weights = hf_paths(root)
+        return cls(root, hf_model_config(directory), directory=directory, hf=SafetensorsCheckpoint(weights))
+
+    def tensors(self, dtype: torch.dtype, streamed: bool, ep: ExpertParallel | None):
+        """(the model config, its canonical tensors, the mapped files they view). Expert parallelism,
+        resident: only this rank's experts, cut before anything is copied (streamed: the store
+        describes every expert and reads only the rank's own); every rank but 0 computes only its
+        experts: the rest of the checkpoint is never read there."""
+        share = ep.shard(self.config.moe.num_experts) if ep is not None and not streamed else None
+        experts_only = ep is not None and not ep.leads
+        if self.gguf is not None:
+            from moerun.checkpoint.gguf import gguf_model
+
+            config, tensors = gguf_model(
+                self.gguf, assemble=not streamed, share=share, experts_only=experts_only
+            )
+            return config, tensors, [MappedFile(self.gguf.path, self.gguf.mapped)]
+        loaded = _hf_model(self.root, self.hf, self.config, dtype, streamed, share, experts_only)
+        return (self.config, *loaded)
+
+    def tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer, or None where it has none (or one moerun cannot read)."""
+        if self.gguf is not None:
+            if "tokenizer.ggml.model" not in self.gguf.metadata:
+                return None
+            source = str(self.root)
+            return _tokenizer(
+                lambda: Tokenizer.from_gguf_metadata(self.gguf.metadata, source=source), self.root
+            )
+        if not (self.directory / "tokenizer.json").is_file():
+            return None
+        return _tokenizer(lambda: Tokenizer.from_hf_dir(self.directory), self.directory)
 
 
 def _expert_cache(
     config: ModelConfig,
     tensors: dict,
     files: list[MappedFile],
-    dtype,
-    device,
-    budget_gb: float,
-    host_gb: float = 0.0,
+    dtype: torch.dtype,
+    device: torch.device,
+    budgets_gb: tuple[float, float],
 ) -> ExpertCache:
-    """The expert store over every MoE layer's projections and a cache of `budget_gb` on `device`."""
+    """The expert store over every MoE layer's projections and a cache on `device`; `budgets_gb`:
+    the cache's and the host tier's."""
+    budget_gb, host_gb = budgets_gb
     layers = {
         f"layers.{i}.moe": {p: tensors[f"layers.{i}.moe.experts.{p}"] for p in ("gate_up", "down")}
         for i, moe in enumerate(config.moe_layers)
         if moe
     }
-    device = torch.device(device)
     store = ExpertStore(
         layers, dtype, files, host_budget_bytes=int(host_gb * 2**30), pin=device.type == "cuda"
     )

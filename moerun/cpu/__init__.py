@@ -30,7 +30,8 @@ tiled (weights stay in L2) through the row kernels.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -47,9 +48,11 @@ __all__ = [
     "matmul",
     "moe_decode",
     "moe_decode_table",
+    "ExpertTable",
     "moe_route",
     "dequantize_rows",
     "AttentionDecode",
+    "AttentionShape",
     "quantize",
 ]
 
@@ -181,48 +184,58 @@ def _activation(act: Activation) -> tuple[int, float, float]:
     raise TypeError(f"moe_decode: activation {act!r} is not a GLU or GptOssSwiGLU.")
 
 
+@dataclass(frozen=True)
+class ExpertTable:
+    """A step's experts as `moe_decode_table` reads them (the caller keeps the tensors the pointers
+    point into alive and checked): pointers int64 [E, 4], the addresses of each expert's gate_up
+    [2I, H] and down [H, I] weights and of its fp32 gate_up bias [2I] and down bias [H] (0: none);
+    formats int32 [E, 2], FORMAT_IDS of gate_up and down; the experts' intermediate size I."""
+
+    pointers: torch.Tensor
+    formats: torch.Tensor
+    intermediate: int
+
+
+Slots = tuple[torch.Tensor, torch.Tensor]  # (slot_expert int32 [T, k], slot_weight float32 [T, k])
+
+
 def moe_decode_table(
     x: torch.Tensor,
-    table: torch.Tensor,
-    formats: torch.Tensor,
-    intermediate: int,
-    slot_expert: torch.Tensor,
-    slot_weight: torch.Tensor,
+    table: ExpertTable,
+    slots: Slots,
     act: Activation,
     integer: bool = False,
-    variant: str | None = None,
+    *,
     out: torch.Tensor | None = None,
-    accumulate: bool = False,
+    variant: str | None = None,
     gemm: bool = True,
 ) -> torch.Tensor:
-    """The MoE step over a prebuilt pointer table (no per-expert Python; the caller keeps the
-    tensors the table points into alive and checked), for one token or many: each expert's rows are
-    read once for all its tokens (through the prefill GEMM where an expert has enough of them).
+    """The MoE step over a prebuilt pointer table (no per-expert Python), for one token or many:
+    each expert's rows are read once for all its tokens (through the prefill GEMM where an expert
+    has enough of them).
 
-    x float32 [T, H]; table int64 [E, 4]: addresses of each expert's gate_up [2I, H] and down [H, I]
-    weights and of its fp32 gate_up bias [2I] and down bias [H] (0: none); formats int32 [E, 2]:
-    FORMAT_IDS of gate_up and down; slot_expert int32 [T, k]: rows of the table, each token's slots in
-    ascending expert id, -1 for a slot this call leaves out; slot_weight float32 [T, k]. -> out
-    float32 [T, H]: per token o = o + weight * (down(act(gate_up(x) + b_gu)) + b_down) over its slots
-    in order, from 0, or with `accumulate` from what `out` holds (a step split into calls over
+    x float32 [T, H]; slots: slot_expert int32 [T, k], rows of the table, each token's slots in
+    ascending expert id, -1 for a slot this call leaves out, and slot_weight float32 [T, k]. ->
+    float32 [T, H]: per token o = o + weight * (down(act(gate_up(x) + b_gu)) + b_down) over its
+    slots in order, from 0 into a new tensor, or onto what `out` holds (a step split into calls over
     ascending groups of experts then sums the same sequence as one call). gemm=False: the row
     kernels only (the same bits)."""
     native = library.native(variant)
     x = _check_x(x, "moe_decode")
     T, H = x.shape
+    slot_expert, slot_weight = slots
     kind, alpha, limit = _activation(act)
+    accumulate = out is not None
     if out is None:
-        if accumulate:
-            raise ValueError("moe_decode: accumulate needs the `out` holding the sums so far.")
         out = torch.empty(T, H, dtype=torch.float32)
     elif out.shape != (T, H) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"moe_decode: out must be contiguous float32 [{T}, {H}].")
     rc = native.moe_decode(
-        table.shape[0],
-        table.data_ptr(),
-        formats.data_ptr(),
+        table.pointers.shape[0],
+        table.pointers.data_ptr(),
+        table.formats.data_ptr(),
         H,
-        intermediate,
+        table.intermediate,
         T,
         slot_expert.shape[1],
         slot_expert.data_ptr(),
@@ -243,20 +256,21 @@ def moe_decode(
     x: torch.Tensor,
     gate_up: Sequence[Weight],
     down: Sequence[Weight],
-    slot_expert: torch.Tensor,
-    slot_weight: torch.Tensor,
+    slots: Slots,
     act: Activation,
     integer: bool = False,
-    gate_up_bias: Sequence[torch.Tensor | None] | None = None,
-    down_bias: Sequence[torch.Tensor | None] | None = None,
+    biases: tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]] | None = None,
     variant: str | None = None,
 ) -> torch.Tensor:
     """`moe_decode_table` over the step's E distinct experts given as (format, data) pairs: gate_up[e]
-    [2I, H], down[e] [H, I]; slot_expert int32 [T, k] indexes these lists. Biases: fp32 [2I] / [H]."""
+    [2I, H], down[e] [H, I]; slots' slot_expert int32 [T, k] indexes these lists. `biases`: (gate_up
+    biases, down biases), one fp32 [2I] / [H] or None per expert."""
     if len(gate_up) != len(down) or not gate_up:
         raise ValueError(
             f"moe_decode: need as many gate_up as down weights (>0), got {len(gate_up)}, {len(down)}."
         )
+    gate_up_bias, down_bias = biases if biases is not None else (None, None)
+    slot_expert, slot_weight = slots
     H = x.shape[-1]
     inter = down[0][1].shape[1] * down[0][1].element_size() // get_format(down[0][0]).block_bytes
     inter *= get_format(down[0][0]).block_size
@@ -272,7 +286,7 @@ def moe_decode(
                     raise FormatError(
                         f"moe_decode: expert {e}'s {what} has {data.shape[0]} rows; need {out}."
                     )
-        biases = []
+        expert_biases = []
         for bias, size in (
             (gate_up_bias[e] if gate_up_bias else None, 2 * inter),
             (down_bias[e] if down_bias else None, H),
@@ -281,12 +295,12 @@ def moe_decode(
                 bias.dtype != torch.float32 or bias.shape != (size,) or not bias.is_contiguous()
             ):
                 raise FormatError(f"moe_decode: expert {e}'s bias must be contiguous float32 [{size}].")
-            biases.append(0 if bias is None else bias.data_ptr())
-        rows.append([gd.data_ptr(), dd.data_ptr(), *biases])
-    table = torch.tensor(rows, dtype=torch.int64)
+            expert_biases.append(0 if bias is None else bias.data_ptr())
+        rows.append([gd.data_ptr(), dd.data_ptr(), *expert_biases])
     formats = torch.tensor(
         [[FORMAT_IDS[g[0]], FORMAT_IDS[d[0]]] for g, d in zip(gate_up, down, strict=True)], dtype=torch.int32
     )
+    table = ExpertTable(torch.tensor(rows, dtype=torch.int64), formats, inter)
     slot_expert = slot_expert.to(torch.int32).contiguous()
     if slot_expert.shape[0] != x.shape[0] or slot_weight.shape != slot_expert.shape:
         raise ValueError(
@@ -296,7 +310,7 @@ def moe_decode(
     if slot_expert.numel() and (int(slot_expert.min()) < 0 or int(slot_expert.max()) >= len(gate_up)):
         raise ValueError(f"moe_decode: slot_expert must index the {len(gate_up)} experts given.")
     weights = slot_weight.float().contiguous()
-    return moe_decode_table(x, table, formats, inter, slot_expert, weights, act, integer, variant)
+    return moe_decode_table(x, table, (slot_expert, weights), act, integer, variant=variant)
 
 
 LinearWeight = tuple[str, torch.Tensor, torch.Tensor | None]  # (format name, data, bias or None)
@@ -311,79 +325,90 @@ def _fp32(t: torch.Tensor | None, size: int, what: str) -> torch.Tensor | None:
     return t
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one attention block computes, as `AttentionDecode` needs it: its sizes, the epsilon of
+    the RMSNorm before it (`eps`), q/k norms per head ("head") or over all heads ("full") with
+    epsilon `qk_eps`, the sliding window (None: every cached key), and q, k and v clamped to
+    [-clip, clip] (None: not)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    qk_norm: str | None = None
+    qk_eps: float = 1e-6
+    window: int | None = None
+    clip: float | None = None
+
+
 class AttentionDecode:
     """One attention block's decode step as one native call (`moerun_attention_decode`): x += the
     block's output for one token, its key and value written into the cache. Built once from the
     block's weights in their stored format (kept alive here, with fp32 copies of norms and biases).
 
-    q, k, v, o: (format, data, bias) with data as `matmul` takes it; norm [hidden]; q_norm/k_norm
-    [head_dim] (qk_norm "head") or over all heads ("full"), with epsilon qk_eps; sinks [heads] or
-    None; window: the sliding window (None: every cached key); clip: q, k and v clamped to
-    [-clip, clip] (None: not)."""
+    linears "q", "k", "v", "o": (format, data, bias) with data as `matmul` takes it; vectors "norm"
+    [hidden], "q_norm"/"k_norm" ([head_dim] for qk_norm "head", over all heads for "full") and
+    "sinks" [heads], each absent or None where the block has none."""
 
     def __init__(
         self,
-        *,
-        q: LinearWeight,
-        k: LinearWeight,
-        v: LinearWeight,
-        o: LinearWeight,
-        norm: torch.Tensor,
-        hidden: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        eps: float,
+        shape: AttentionShape,
+        linears: Mapping[str, LinearWeight],
+        vectors: Mapping[str, torch.Tensor | None],
         cache_dtype: torch.dtype,
-        qk_norm: str | None = None,
-        qk_eps: float = 1e-6,
-        q_norm: torch.Tensor | None = None,
-        k_norm: torch.Tensor | None = None,
-        sinks: torch.Tensor | None = None,
-        window: int | None = None,
-        clip: float | None = None,
     ):
+        hidden, heads, kv_heads, head_dim = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
+        qk_norm = shape.qk_norm
         if cache_dtype not in library.CACHE_DTYPE_IDS or qk_norm not in library.QK_NORM_IDS:
             raise ValueError(f"AttentionDecode: cache dtype {cache_dtype}, qk_norm {qk_norm!r} unsupported.")
         self.heads, self.kv_heads, self.head_dim, self.cache_dtype = heads, kv_heads, head_dim, cache_dtype
         self._keep = []
         shapes = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden)}
         shapes |= {"v": shapes["k"], "o": (hidden, heads * head_dim)}
-        linears = {}
-        for name, (fmt_name, data, bias) in {"q": q, "k": k, "v": v, "o": o}.items():
+        structs = []
+        for name in ("q", "k", "v", "o"):
+            fmt_name, data, bias = linears[name]
             rows, n = shapes[name]
             _check_weight(fmt_name, data, n, f"attention {name}")
             if data.shape[0] != rows:
                 raise FormatError(f"attention {name}: {data.shape[0]} rows; need {rows}.")
             bias = _fp32(bias, rows, f"attention {name} bias")
             self._keep += [data, bias]
-            linears[name] = library.LinearStruct(
-                data.data_ptr(), bias.data_ptr() if bias is not None else None, rows, n, FORMAT_IDS[fmt_name]
+            structs.append(
+                library.LinearStruct(
+                    data.data_ptr(),
+                    bias.data_ptr() if bias is not None else None,
+                    rows,
+                    n,
+                    FORMAT_IDS[fmt_name],
+                )
             )
         norm_size = {"head": (head_dim, head_dim), "full": (heads * head_dim, kv_heads * head_dim)}
         qn_size, kn_size = norm_size.get(qk_norm, (0, 0))
-        vectors = [
-            _fp32(norm, hidden, "attention norm"),
-            _fp32(q_norm, qn_size, "q norm") if qk_norm else None,
-            _fp32(k_norm, kn_size, "k norm") if qk_norm else None,
-            _fp32(sinks, heads, "attention sinks"),
+        kept = [
+            _fp32(vectors.get("norm"), hidden, "attention norm"),
+            _fp32(vectors.get("q_norm"), qn_size, "q norm") if qk_norm else None,
+            _fp32(vectors.get("k_norm"), kn_size, "k norm") if qk_norm else None,
+            _fp32(vectors.get("sinks"), heads, "attention sinks"),
         ]
-        self._keep += vectors
-        ptrs = [None if t is None else t.data_ptr() for t in vectors]
+        self._keep += kept
+        ptrs = [None if t is None else t.data_ptr() for t in kept]
         self.struct = library.AttentionStruct(
-            *linears.values(),
+            *structs,
             *ptrs,
             hidden,
             heads,
             kv_heads,
             head_dim,
-            window or 0,
+            shape.window or 0,
             library.QK_NORM_IDS[qk_norm],
             library.CACHE_DTYPE_IDS[cache_dtype],
-            eps,
-            clip or 0.0,
+            shape.eps,
+            shape.clip or 0.0,
             head_dim**-0.5,
-            qk_eps,
+            shape.qk_eps,
         )
 
     def __call__(

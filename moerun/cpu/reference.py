@@ -122,15 +122,15 @@ def moe_decode(
     x: torch.Tensor,
     gate_up: list[tuple[str, torch.Tensor]],
     down: list[tuple[str, torch.Tensor]],
-    slot_expert: torch.Tensor,
-    slot_weight: torch.Tensor,
+    slots: tuple[torch.Tensor, torch.Tensor],
     act: Activation,
     integer: bool = False,
-    gate_up_bias: list[torch.Tensor | None] | None = None,
-    down_bias: list[torch.Tensor | None] | None = None,
+    biases: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None,
 ) -> torch.Tensor:
     """moerun.cpu.moe_decode in float64 [T, H] (integer mode: the activation is computed in float64
     from the reference's gate_up outputs, rounded to float32 and quantised again for down)."""
+    slot_expert, slot_weight = slots
+    gate_up_bias, down_bias = biases if biases is not None else (None, None)
     T, k = slot_expert.shape
     out = torch.zeros(T, x.shape[1], dtype=F64)
     for t in range(T):

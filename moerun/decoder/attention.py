@@ -144,26 +144,20 @@ class Attention:
         def weight(name: str) -> cpu.LinearWeight:
             return (*native_weight(t[f"{name}.weight"]), t.get(f"{name}.bias"))
 
-        return cpu.AttentionDecode(
-            q=weight("q"),
-            k=weight("k"),
-            v=weight("v"),
-            o=weight("o"),
-            norm=norm,
+        shape = cpu.AttentionShape(
             hidden=t["o.weight"].shape[0],
             heads=spec.heads,
             kv_heads=spec.kv_heads,
             head_dim=spec.head_dim,
             eps=eps,
-            cache_dtype=cache_dtype,
             qk_norm=spec.qk_norm,
             qk_eps=spec.norm_eps,
-            q_norm=t.get("q_norm.weight"),
-            k_norm=t.get("k_norm.weight"),
-            sinks=t.get("sinks"),
             window=self.window,
             clip=spec.clip_qkv,
         )
+        linears = {name: weight(name) for name in ("q", "k", "v", "o")}
+        vectors = {"norm": norm, "q_norm": t.get("q_norm.weight"), "k_norm": t.get("k_norm.weight")}
+        return cpu.AttentionDecode(shape, linears, {**vectors, "sinks": t.get("sinks")}, cache_dtype)
 
     def _attend(self, q, keys, values, start: int, first: int) -> torch.Tensor:
         B, nh, T, D = q.shape

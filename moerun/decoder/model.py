@@ -1,34 +1,36 @@
 """The decoder stack around the MoE layers: embed -> [attention, MoE or dense MLP] x layers -> norm
 -> lm_head, run over a preallocated KV cache in chunks of positions.
 
-`MoEModel` holds canonical tensors (`ModelConfig.tensor_shapes`); loaders build them from files.
+`Decoder` computes logits from ids and a cache, nothing else: generation, batching and serving drive
+it (moerun.generate, moerun.batching, moerun.serve), and `moerun.model.MoEModel` is a Decoder with
+generation. It holds canonical tensors (`ModelConfig.tensor_shapes`), which loaders build from files,
+and runs as its `RunSpec` says (moerun.moe.run): one forward path (`_run`), which the cpu backend's
+one-call decode step (moerun.decoder.native_step) replaces for one token of one sequence.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from moerun import cpu
-from moerun.batching import Token
 from moerun.decoder.attention import Attention
-from moerun.decoder.config import AttentionSpec, MLASpec, ModelConfig
+from moerun.decoder.config import MLASpec, ModelConfig
 from moerun.decoder.kv_cache import KVCache
 from moerun.decoder.mla import MLAttention
-from moerun.decoder.norm import normed, rms_norm
+from moerun.decoder.native_step import NativeDecodeStep
+from moerun.decoder.norm import normed
 from moerun.decoder.rope import Rotary
-from moerun.generate import Generator
-from moerun.linear import Linear, linear
-from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, KernelOptions
+from moerun.linear import Linear
 from moerun.moe.layer import MoELayer, StateDictError, tensor_problems
-from moerun.moe.routing import RouterCheck, raise_on_bad_router_logits, router_logits
-from moerun.offload import ExpertCache, LayerStream
+from moerun.moe.routing import RouterCheck, raise_on_bad_router_logits
+from moerun.moe.run import RunSpec
+from moerun.offload import NextLayerPrefetch
 from moerun.placement import place
-from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize, dequantize_bytes
 from moerun.quant.formats import QTensor, storage_free
 from moerun.text.tokenizer import Tokenizer
@@ -51,7 +53,7 @@ class ContextError(ValueError):
 
 
 class DenseMLP:
-    def __init__(self, gate_up, down, activation, project: Linear = linear):
+    def __init__(self, gate_up, down, activation, project: Linear):
         self.gate_up, self.down, self.activation, self.project = gate_up, down, activation, project
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,137 +61,99 @@ class DenseMLP:
         return self.project(h, self.down)
 
 
-class MoEModel:
+def placed_dense(t: torch.Tensor | QTensor, run: RunSpec) -> torch.Tensor | QTensor:
+    """A dense-part weight where and as the model computes with it: a linear's quantised weight
+    kept as stored where the backend's linears read the file's format, anything else dense in the
+    compute dtype; streamed, off the file's map (only the expert store reads the file); on a rank
+    that serves only its experts, a storage-free stand-in (shapes only, nothing read or copied)."""
+    if run.serves_experts_only:
+        return (
+            storage_free(t)
+            if isinstance(t, QTensor)
+            else torch.empty(t.shape, dtype=run.dtype, device="meta")
+        )
+    own = run.expert_cache is not None
+    if isinstance(t, QTensor) and run.backend.native_linears and len(t.shape) == 2:
+        return QTensor(t.format, t.shape, place(t.data, run.device, own=own))
+    t = dequantize(t) if isinstance(t, QTensor) else t
+    return place(t, run.device, run.dtype, own=own)
+
+
+class Decoder:
     def __init__(
         self,
         config: ModelConfig,
         tensors: Mapping[str, torch.Tensor | QTensor],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        backend: str = "torch",
-        dequant_cache: DequantCache | None = None,
-        prefill_chunk: int = 512,
-        progress: Callable[[int, int], None] | None = None,
-        expert_cache: ExpertCache | None = None,
-        prefetch_k: int | None = None,
+        run: RunSpec,
         tokenizer: Tokenizer | None = None,
-        options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
-        expert_parallel=None,
+        progress: Callable[[int, int], None] | None = None,
     ):
-        """`backend`: a resolved backend name (moerun.moe.backends); with "cpu" every linear runs on
-        the native CPU kernels and quantised weights stay in the file's format, else they are
-        dequantised here. `progress(done, total)` is called as layers are placed (for a loading
-        bar). `expert_cache`: stream the routed experts through it (moerun.offload) instead of
-        placing them all on the device; `prefetch_k`: while a MoE layer computes, start loading that
-        many of the next MoE layer's experts as predicted by its router on the current hidden state.
-        `options`: how the kernels compute (int8 activations or not). `expert_parallel` (a
-        moerun.distributed.ExpertParallel): this rank holds only its share of each MoE layer's
-        experts and exchanges each step's rows with the other ranks."""
+        """`run`: how it runs (moerun.moe.run.RunSpec: device, dtype, backend, streaming, expert
+        parallelism). `tokenizer`: for text prompts and outputs (None: ids only). `progress(done,
+        total)` is called as layers are placed (for a loading bar). Expert parallelism: this rank
+        holds only its share of each MoE layer's experts (cut here from whatever arrives whole)."""
+        ep = run.expert_parallel
         held = None
-        if expert_parallel is not None:  # this rank's share of every MoE layer's experts (views)
-            shard = expert_parallel.shard(config.moe.num_experts)
+        if ep is not None:  # this rank's share of every MoE layer's experts (views)
+            shard = ep.shard(config.moe.num_experts)
             tensors, held = shard.cut(tensors), shard.size
         check_model_tensors(config, tensors, held=held)
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.expert_cache, self.prefetch_k = expert_cache, prefetch_k or 0
-        self.expert_parallel = expert_parallel
-        self.tokenizer = tokenizer  # text prompts and outputs; None: ids only
-        self.prefill_chunk = prefill_chunk
-        self.generator = Generator(self)
-        native = self._native_linears = backend == "cpu"
-        self._int8 = options.int8_on_cpu(dtype)  # the native kernels' activations (int8 or fp32)
-        self.project: Linear = (
-            functools.partial(linear, native=True, integer=self._int8) if native else linear
+        self.config, self.run, self.tokenizer = config, run, tokenizer
+        self.dtype, self.device, self.prefill_chunk = run.dtype, run.device, run.prefill_chunk
+        self.expert_cache, self.expert_parallel = run.expert_cache, ep
+        self.prefetch = (
+            NextLayerPrefetch(run.expert_cache, run.prefetch_k) if run.expert_cache is not None else None
         )
+        self.project: Linear = run.backend.linear
+        self._build(tensors, progress)
+        moe_layers = [i for i, moe in enumerate(config.moe_layers) if moe]
+        self._next_moe = {a: b for a, b in zip(moe_layers, moe_layers[1:], strict=False)}
+        self._moes = [self.mlps[i] for i in moe_layers]
+        # prefill's activations in fp32 where the native kernels compute the quantised projections
+        # (dense bf16 weights with many rows go through torch's bf16 GEMM, which wants bf16 inputs)
+        self._fp32_activations = run.backend.native_linears and any(
+            isinstance(w, QTensor) for a in self.attentions for w in a.t.values()
+        )
+        # one token of one sequence in native calls, where the backend has them and the stack is one
+        # those calls compute (moerun.decoder.native_step)
+        self._decode_step = NativeDecodeStep(self) if NativeDecodeStep.supports(self) else None
+        if ep is not None:
+            moe = config.moe
+            ep.bind(len(moe_layers), moe.hidden, moe.top_k, moe.num_experts, self.device)
 
-        # expert parallelism, the ranks other than 0: they compute only their experts, never the
-        # dense part, so it is held as storage-free stand-ins (shapes only, nothing read or copied)
-        serves_experts_only = expert_parallel is not None and not expert_parallel.leads
+    def _build(self, tensors: Mapping[str, torch.Tensor | QTensor], progress) -> None:
+        """Place the dense part and build every layer from the canonical tensors."""
+        config, run = self.config, self.run
 
-        def dense(name: str) -> torch.Tensor | QTensor:
-            t = tensors[name]
-            if serves_experts_only:
-                return (
-                    storage_free(t)
-                    if isinstance(t, QTensor)
-                    else torch.empty(t.shape, dtype=dtype, device="meta")
-                )
-            # streaming: the dense part is resident, off the file's map (only the store reads the file)
-            own = expert_cache is not None
-            if isinstance(t, QTensor) and native and len(t.shape) == 2:  # a linear's weight, kept as stored
-                return QTensor(t.format, t.shape, place(t.data, self.device, own=own))
-            t = dequantize(t) if isinstance(t, QTensor) else t
-            return place(t, self.device, dtype, own=own)
-
-        def bias(name: str, present: bool) -> torch.Tensor | None:
-            return dense(name) if present else None
+        def dense(name: str, present: bool = True) -> torch.Tensor | QTensor | None:
+            return placed_dense(tensors[name], run) if present else None
 
         layer_norm = config.norm == "layer"  # the norms' biases (LayerNorm); None: RMSNorm
         self.embed = dense("embed.weight")  # [V, H]
         self.lm_head = self.embed if config.tie_embeddings else dense("lm_head.weight")
-        self.lm_head_bias = bias("lm_head.bias", config.lm_head_bias)
-        self.norm, self.norm_bias = dense("norm.weight"), bias("norm.bias", layer_norm)
+        self.lm_head_bias = dense("lm_head.bias", config.lm_head_bias)
+        self.norm, self.norm_bias = dense("norm.weight"), dense("norm.bias", layer_norm)
         self.rotary = Rotary(config.attention.rope, config.attention.head_dim, self.device)
         self.attn_norms, self.mlp_norms, self.attentions, self.mlps = [], [], [], []
         self.attn_norm_biases, self.mlp_norm_biases = [], []
+        kind = MLAttention if isinstance(config.attention, MLASpec) else Attention
         for i in range(config.num_layers):
             if progress:
                 progress(i, config.num_layers)
             p = f"layers.{i}."
             self.attn_norms.append(dense(p + "attn_norm.weight"))
             self.mlp_norms.append(dense(p + "mlp_norm.weight"))
-            self.attn_norm_biases.append(bias(p + "attn_norm.bias", layer_norm))
-            self.mlp_norm_biases.append(bias(p + "mlp_norm.bias", layer_norm))
-            attn_tensors = {k: dense(p + "attn." + k) for k in config.attention.tensor_shapes()}
-            kind = MLAttention if isinstance(config.attention, MLASpec) else Attention
-            self.attentions.append(
-                kind(config.attention, attn_tensors, self.rotary, config.sliding_windows[i], self.project)
-            )
+            self.attn_norm_biases.append(dense(p + "attn_norm.bias", layer_norm))
+            self.mlp_norm_biases.append(dense(p + "mlp_norm.bias", layer_norm))
+            attn = {k: dense(p + "attn." + k) for k in config.attention.tensor_shapes()}
+            window = config.sliding_windows[i]
+            self.attentions.append(kind(config.attention, attn, self.rotary, window, self.project))
             if config.moe_layers[i]:
                 moe = {k: tensors[p + "moe." + k] for k in config.moe.tensor_shapes()}
-                self.mlps.append(
-                    MoELayer.from_tensors(
-                        config.moe,
-                        moe,
-                        name=p + "moe",
-                        dtype=dtype,
-                        device=self.device,
-                        backend=backend,
-                        dequant_cache=dequant_cache,
-                        stream=LayerStream(expert_cache, p + "moe") if expert_cache is not None else None,
-                        options=options,
-                        parallel=expert_parallel,
-                    )
-                )
+                self.mlps.append(MoELayer.from_tensors(config.moe, moe, name=p + "moe", run=run))
             else:
-                act = config.dense_activation
-                self.mlps.append(DenseMLP(dense(p + "mlp.gate_up"), dense(p + "mlp.down"), act, self.project))
-        # one token of one sequence on the native CPU kernels: each layer's attention block one call,
-        # its MoE block two (built on the first such step). Those calls compute RMSNorms, scale scores
-        # by 1/sqrt(head_dim) and add each block's output as it is: other stacks (PhiMoE's LayerNorms,
-        # GraniteMoE's multipliers) decode through `_run`, their MoE layers still on the native kernels
-        self._native_decode = (
-            native
-            and isinstance(config.attention, AttentionSpec)
-            and config.attention.softmax_scale is None
-            and config.norm == "rms"
-            and config.residual_multiplier == 1.0
-            and all(
-                mlp.decodes_natively for mlp, moe in zip(self.mlps, config.moe_layers, strict=True) if moe
-            )
-        )
-        self._native_steps: list[cpu.AttentionDecode] | None = None
-        # prefill's activations in fp32 where the native kernels compute the quantised projections
-        # (dense bf16 weights with many rows go through torch's bf16 GEMM, which wants bf16 inputs)
-        self._fp32_activations = native and any(
-            isinstance(w, QTensor) for a in self.attentions for w in a.t.values()
-        )
-        moe_layers = [i for i, moe in enumerate(config.moe_layers) if moe]
-        self._next_moe = {a: b for a, b in zip(moe_layers, moe_layers[1:], strict=False)}
-        self._moes = [self.mlps[i] for i in moe_layers]
-        if expert_parallel is not None:
-            moe = config.moe
-            expert_parallel.bind(len(moe_layers), moe.hidden, moe.top_k, moe.num_experts, self.device)
+                gate_up, down = dense(p + "mlp.gate_up"), dense(p + "mlp.down")
+                self.mlps.append(DenseMLP(gate_up, down, config.dense_activation, self.project))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         if max_len > self.config.max_positions:
@@ -210,8 +174,8 @@ class MoEModel:
             raise ContextError(f"{start + T} positions do not fit a KV cache of {cache.capacity}.")
         reach = max(start + T, cache.rope_reach)  # LongRoPE's set: see _longrope
         self._longrope(cache, ids, reach)
-        if self._native_decode and ids.shape == (1, 1):
-            return self._decode_native(ids, cache)
+        if self._decode_step is not None and ids.shape == (1, 1):
+            return self._decode_step(ids, cache)
         positions = torch.arange(start, start + T, device=self.device)
 
         def attend(i: int, attn: Attention, h: torch.Tensor, cos_sin) -> torch.Tensor:
@@ -312,9 +276,8 @@ class MoEModel:
         return ep.step(tokens, dtype, predicts) if ep is not None else contextlib.nullcontext()
 
     def _prefetches(self) -> bool:
-        """Whether this step prefetches each next MoE layer's predicted experts (the cache may pause
-        prefetching for a step: moerun.offload)."""
-        return bool(self.prefetch_k and self.expert_cache is not None and self.expert_cache.prefetching)
+        """Whether this step prefetches each next MoE layer's predicted experts."""
+        return self.prefetch is not None and self.prefetch.active
 
     def _attn_norm(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return normed(x, self.attn_norms[i], self.attn_norm_biases[i], self.config.norm_eps)
@@ -327,74 +290,29 @@ class MoEModel:
         r = self.config.residual_multiplier
         return out if r == 1.0 else out * r
 
-    def _decode_native(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """`forward` of one token of one sequence on the native kernels. The residual stream stays
-        fp32 through the layers (the cache holds the compute dtype) -> final hidden state [1, 1, H]."""
-        if self._native_steps is None:
-            eps = self.config.norm_eps
-            self._norms32 = [n.float().contiguous() for n in self.mlp_norms]
-            self._native_steps = [
-                attn.native_decode(norm, eps, self.dtype)
-                for attn, norm in zip(self.attentions, self.attn_norms, strict=True)
-            ]
-        eps, pos = self.config.norm_eps, cache.length
-        reach = max(pos + 1, cache.rope_reach)
-        cos, sin = (c[0].contiguous() for c in self.rotary.cos_sin(torch.tensor([pos]), torch.float32, reach))
-        x = self._embed(ids).reshape(-1).float().contiguous()  # [H] fp32, updated in place
-        if self.expert_cache is not None:
-            self.expert_cache.begin_step()
-        with self._parallel_step(1, torch.float32, self._prefetches()):  # MoE inputs fp32 here
-            for i, (step, mlp) in enumerate(zip(self._native_steps, self.mlps, strict=True)):
-                step(x, cache.keys[i], cache.values[i], pos, cos, sin, self._int8)
-                if not self.config.moe_layers[i]:
-                    x += mlp(rms_norm(x, self._norms32[i], eps))
-                    continue
-                mlp.decode_token(x, self._norms32[i], eps, self._after_fetch(i, x))
-        cache.length = pos + 1
-        if self.expert_cache is not None:
-            self.expert_cache.end_step()
-        return rms_norm(x, self.norm, eps).to(self.dtype).view(1, 1, -1)
-
     def _after_fetch(self, i: int, x: torch.Tensor) -> Callable[[], None] | None:
         """What MoE layer i runs once its experts are fetched: with prefetch on, start loading the
-        next MoE layer's predicted experts for hidden states x; else None. Expert parallelism: the
-        prediction is made now, for the other ranks too (it goes with layer i's inputs)."""
-        if not self._prefetches() or i not in self._next_moe:
+        next MoE layer's predicted experts for the residual stream x (its router on its norm of x);
+        else None. Expert parallelism: the prediction is made now, for the other ranks too (it
+        goes with layer i's inputs)."""
+        following = self._next_moe.get(i)
+        if following is None or not self._prefetches():
             return None
-        if self.expert_parallel is not None:
-            mass = self._router_mass(self._next_moe[i], x)
-            self.expert_parallel.predict(mass)
-            return functools.partial(self._prefetch_mass, self._next_moe[i], mass)
-        return functools.partial(self._prefetch, self._next_moe[i], x)
+        moe = self.mlps[following]
 
-    def _prefetch(self, layer: int, x: torch.Tensor) -> None:
-        """Start loading the `prefetch_k` experts MoE layer `layer`'s router ranks highest for the
-        current hidden states x [B, T, H]."""
-        self._prefetch_mass(layer, self._router_mass(layer, x))
+        def mass() -> torch.Tensor:  # [E]
+            return moe.expert_mass(self._mlp_norm(following, x))
 
-    def _router_mass(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """MoE layer `layer`'s routing probabilities for hidden states x [B, T, H], summed over the
-        tokens -> [E] fp32: the prediction of which experts it will run."""
-        moe = self.mlps[layer]
-        h = self._mlp_norm(layer, x).reshape(-1, moe.spec.hidden)
-        logits = router_logits(h, moe.tensors["router.weight"], moe.tensors.get("router.bias"))  # [T, E]
-        return logits.softmax(dim=-1).sum(dim=0)
-
-    def _prefetch_mass(self, layer: int, mass: torch.Tensor) -> None:
-        """Start loading the `prefetch_k` experts of MoE layer `layer` with the most mass [E] (with
-        expert parallelism: of this rank's own)."""
-        moe = self.mlps[layer]
-        if moe.experts.owned is not None:  # expert parallelism: this rank's experts only
-            mass = mass[moe.experts.owned]
-        top = mass.topk(min(self.prefetch_k, mass.numel())).indices.tolist()
-        if moe.experts.owned is not None:
-            top = [moe.experts.owned[i] for i in top]
-        self.expert_cache.prefetch([(moe.name, e) for e in top])
+        if self.expert_parallel is None:
+            return lambda: self.prefetch.start(moe.name, mass())
+        predicted = mass()
+        self.expert_parallel.predict(predicted)
+        return functools.partial(self.prefetch.start, moe.name, predicted, moe.experts.owned)
 
     def hidden_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., H] -> logits fp32 [..., vocab] (the native kernels compute them in
         fp32 and return them so, not rounded to the compute dtype)."""
-        hidden = hidden.float() if self._native_linears else hidden
+        hidden = hidden.float() if self.run.backend.native_linears else hidden
         logits = self.project(hidden, self.lm_head, self.lm_head_bias).float()
         scaling = self.config.logits_scaling  # GraniteMoE's
         return logits if scaling == 1.0 else logits / scaling
@@ -402,7 +320,7 @@ class MoEModel:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] -> their embedding rows [B, T, H] in the compute dtype (a quantised table's
         rows are dequantised as they are looked up), times the embedding multiplier (GraniteMoE)."""
-        if isinstance(self.embed, QTensor) and self._native_linears:
+        if isinstance(self.embed, QTensor) and self.run.backend.native_linears:
             rows = cpu.dequantize_rows(self.embed.format.name, self.embed.data, self.embed.shape[1], ids)
             rows = rows.to(self.dtype).view(*ids.shape, -1)
         elif isinstance(self.embed, QTensor):
@@ -450,30 +368,21 @@ class MoEModel:
         self.hidden_logits(self.forward(ids, cache)[0, -1])
         self.hidden_logits(self.forward(ids[:, :1], cache)[0, -1])
 
-    def generate(
-        self, prompt: str | Sequence[int], max_new_tokens: int | None = 128, **options
-    ) -> Iterator[Token]:
-        """Yield up to `max_new_tokens` new tokens (None: until the context ends) after `prompt`;
-        options: sampling, stop strings, logprobs, ctx_size (see moerun.generate.Generator)."""
-        return self.generator.generate(prompt, max_new_tokens, **options)
-
-    def stats(self) -> dict:
-        """Figures of the last generation (see moerun.generate.Generator.stats); with expert
-        parallelism also this rank's placement and, summed over its steps and for the last one, the
-        bytes it sent in exchanges, their milliseconds and its own experts' milliseconds, and its
-        resident memory (MiB; None off Linux)."""
-        run = self.generator.stats()
-        if self.expert_parallel is not None:
-            ep = self.expert_parallel
-            run["expert_parallel"] = {
-                "rank": ep.rank,
-                "world": ep.world,
-                "placement": ep.placement(self.config.moe.num_experts),
-                "collective": ep.collective,
-                "rss_mb": _resident_mb(),
-                **ep.stats.as_dict(),
-            }
-        return run
+    def parallel_stats(self) -> dict | None:
+        """Expert parallelism: this rank's placement and, summed over its steps and for the last
+        one, the bytes it sent in exchanges, their milliseconds and its own experts' milliseconds,
+        and its resident memory (MiB; None off Linux). None without expert parallelism."""
+        ep = self.expert_parallel
+        if ep is None:
+            return None
+        return {
+            "rank": ep.rank,
+            "world": ep.world,
+            "placement": ep.placement(self.config.moe.num_experts),
+            "collective": ep.collective,
+            "rss_mb": _resident_mb(),
+            **ep.stats.as_dict(),
+        }
 
     def serve_experts(self) -> None:
         """Expert parallelism, every rank but 0: compute this rank's experts for each forward pass
@@ -491,8 +400,10 @@ class MoEModel:
                 for i in layers:
                     following = self._next_moe.get(i)  # rank 0's prediction of it comes with i's inputs
                     predicted = predicts and following is not None
-                    own = predicted and self._prefetches()  # this rank prefetches from it
-                    prefetch = functools.partial(self._prefetch_mass, following) if own else None
+                    prefetch = None
+                    if predicted and self._prefetches():  # this rank prefetches its own from it
+                        moe = self.mlps[following]
+                        prefetch = functools.partial(self.prefetch.start, moe.name, owned=moe.experts.owned)
                     if not self.mlps[i].serve_step(tokens, dtype, predicted, prefetch):
                         break  # rank 0 called off the rest of the step (an error there)
                 if self.expert_cache is not None:

@@ -10,7 +10,7 @@ import torch
 from moerun.activations import GLU
 from moerun.errors import ConfigError, TensorError
 from moerun.families import family
-from moerun.moe.layer import MoELayer, MoESpec, check_tensors
+from moerun.moe.layer import MoELayer, MoESpec, check_tensors, layer_run
 from moerun.moe.routing import SoftmaxTopK
 
 
@@ -102,4 +102,4 @@ def layer_from_transformers(
     }
     extra = {k: v for k, v in block_state.items() if k not in known}
     check_tensors(spec, {**tensors, **extra}, name, sources)
-    return MoELayer.from_tensors(spec, tensors, name=name, dtype=dtype, device=device, backend=backend)
+    return MoELayer.from_tensors(spec, tensors, name=name, run=layer_run(tensors, dtype, device, backend))

@@ -29,20 +29,21 @@ class ExpertWeights:
         self,
         gate_up: Weight,
         down: Weight,
-        gate_up_bias: torch.Tensor | None,
-        down_bias: torch.Tensor | None,
+        biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+        *,
         dtype: torch.dtype,
         layer_name: str,
         cache: DequantCache | None = None,
         stream=None,
-        owned: list[int] | None = None,
+        owned: range | None = None,
     ):
-        """`owned` (expert parallelism): the stacked tensors hold only these experts, in this order;
-        expert e is row owned.index(e) of them."""
+        """`biases`: (gate_up [E, 2I], down [E, H]), each or both None. `owned` (expert
+        parallelism): the stacked tensors hold only these experts (a contiguous share), in order;
+        expert e is row e - owned.start of them. The one place a layer's ownership is asked."""
         self.gate_up, self.down = gate_up, down
         self.owned = owned
         self._row = {e: i for i, e in enumerate(owned)} if owned is not None else None
-        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
+        self.gate_up_bias, self.down_bias = biases
         self.dtype = dtype  # compute dtype of the projections
         self.layer_name = layer_name
         self.cache = cache
@@ -95,6 +96,10 @@ class ExpertWeights:
             elif tensor is not None:
                 total += tensor[0].numel() * tensor.element_size()
         return total
+
+    def owned_of(self, experts: list[int]) -> list[int]:
+        """Those of `experts` this process computes: all, or with expert parallelism its share's."""
+        return experts if self.owned is None else [e for e in experts if e in self.owned]
 
     def bias(self, projection: str, e: int) -> torch.Tensor | None:
         bias = self.gate_up_bias if projection == "gate_up" else self.down_bias

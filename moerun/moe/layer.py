@@ -1,4 +1,4 @@
-"""The MoE layer: route -> plan -> experts -> combine (+ shared expert), on a chosen backend.
+"""The MoE layer: route -> plan -> experts -> combine (+ shared expert), on the run's backend.
 
 Tensors are named canonically (`MoESpec.tensor_shapes`); converters from checkpoints and from
 transformers' blocks produce these names, and `MoELayer.from_tensors` checks them all at once.
@@ -6,6 +6,7 @@ transformers' blocks produce these names, and `MoELayer.from_tensors` checks the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import warnings
@@ -16,22 +17,22 @@ import torch
 
 from moerun.activations import GLU, Activation
 from moerun.errors import TensorError, shorten
-from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, Backend, KernelOptions, get_backend, torch_backend
+from moerun.moe.backends import ActivationMode
+from moerun.moe.backends.torch_backend import Norm, TorchBackend
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
-from moerun.moe.plan import TokenPlan
 from moerun.moe.routing import (
     RouterCheck,
     RouterError,
     RouteSpec,
-    check_logits,
-    deferred_check,
+    raise_on_bad_router_logits,
     route,
     router_logits,
 )
+from moerun.moe.run import RunSpec
 from moerun.moe.trace import layer_trace
+from moerun.offload.stream import LayerStream
 from moerun.placement import place
-from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
 
@@ -87,58 +88,47 @@ _EXPERT_PROJECTIONS = ("experts.gate_up", "experts.down")
 class MoELayer:
     """One MoE block. Call it with x [T, H] or [B, T, H]; returns the same shape and dtype.
 
-    `tensors` holds the canonical names (see MoESpec.tensor_shapes): router tensors in fp32, the
-    expert projections dense or as QTensor, everything else dense in the compute dtype."""
+    `tensors` holds the canonical names (see MoESpec.tensor_shapes), placed as `from_tensors`
+    places them: router tensors in fp32, the expert projections dense or as QTensor, everything
+    else dense in the compute dtype. `run` (moerun.moe.run.RunSpec) says how it runs: the backend,
+    streaming (the expert projections stay on the host and each step's experts are fetched into
+    the shared expert cache's slots), expert parallelism (`tensors` hold only this rank's share of
+    the experts, and each step's rows are exchanged with the other ranks before the combine)."""
 
     def __init__(
         self,
         spec: MoESpec,
         tensors: Mapping[str, torch.Tensor | QTensor],
         name: str = "moe",
-        backend: str | Backend = "torch",
-        dtype: torch.dtype | None = None,
-        dequant_cache: DequantCache | None = None,
-        stream=None,
-        options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
-        parallel=None,
-        device: torch.device | str | None = None,
+        run: RunSpec | None = None,
     ):
-        """`stream` (a moerun.offload.LayerStream): the expert projections in `tensors` stay on the
-        host and each step's experts are fetched into the shared expert cache's slots. `options`:
-        how the kernels compute (moerun.moe.backends.KernelOptions). `parallel` (expert
-        parallelism: a moerun.distributed.ExpertParallel): `tensors` hold only this rank's share of
-        the experts (`parallel.shard(E).owned`), and each step's rows are exchanged with the other
-        ranks before the combine."""
-        self.spec = spec
-        self.device = torch.device(device) if device is not None else tensors["router.weight"].device
-        self.options = options
-        self.name = name
-        self.backend = get_backend(backend) if isinstance(backend, str) else backend
-        self.tensors = dict(tensors)
-        dense_experts = [
-            t for k, t in tensors.items() if k in _EXPERT_PROJECTIONS and not isinstance(t, QTensor)
-        ]
-        self.dtype = dtype or (dense_experts[0].dtype if dense_experts else torch.float32)
+        self.spec, self.name, self.tensors = spec, name, dict(tensors)
+        self.run = run or layer_run(tensors)
+        self.device, self.dtype = self.run.device, self.run.dtype
+        ep = self.run.expert_parallel
+        share = ep.shard(spec.num_experts) if ep is not None else None
+        stream = None if self.run.expert_cache is None else LayerStream(self.run.expert_cache, name)
         self.experts = ExpertWeights(
             tensors["experts.gate_up"],
             tensors["experts.down"],
-            tensors.get("experts.gate_up_bias"),
-            tensors.get("experts.down_bias"),
+            (tensors.get("experts.gate_up_bias"), tensors.get("experts.down_bias")),
             dtype=self.dtype,
             layer_name=name,
-            cache=dequant_cache,
+            cache=self.run.dequant_cache,
             stream=stream,
-            owned=parallel.shard(spec.num_experts).owned if parallel is not None else None,
+            owned=None if share is None else range(share.start, share.stop),
         )
-        self.parallel = parallel
-        unsupported = getattr(self.backend, "unsupported", None)
-        if unsupported is not None and (reason := unsupported(self.experts)):
+        self.parallel = ep
+        self.backend = self.run.backend
+        if reason := self.backend.unsupported(self.experts):
             warnings.warn(f"{reason}; such MoE layers run on the torch backend.", stacklevel=2)
-            self.backend = get_backend("torch")
+            self.backend = TorchBackend()
         # prefill on a backend that needs every touched expert resident at once (one grouped GEMM)
-        # goes through the torch backend's expert-by-expert path when the experts are streamed
-        streams_prefill = stream is None or self.backend.STREAMS_PREFILL
-        self.batch_backend = self.backend if streams_prefill else get_backend("torch")
+        # goes through the torch backend's expert-by-expert path when the experts are streamed;
+        # so do a rank's rows under expert parallelism
+        by_expert = stream is None or self.backend.streams_prefill
+        self.batch_backend = self.backend if by_expert else TorchBackend()
+        self.rows_backend = self.backend if self.backend.streams_prefill else TorchBackend()
         self.workspace = Workspace()
         self._route_ms = 0.0
 
@@ -148,69 +138,49 @@ class MoELayer:
         spec: MoESpec,
         tensors: Mapping[str, torch.Tensor | QTensor],
         name: str = "moe",
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        backend: str = "torch",
-        dequant_cache: DequantCache | None = None,
-        stream=None,
-        options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
-        parallel=None,
+        run: RunSpec | None = None,
     ) -> MoELayer:
-        """Check every tensor against the spec (all problems in one error), then build the layer.
+        """Check every tensor against the spec (all problems in one error), then place them and
+        build the layer (`run` None: the torch backend in the dense experts' dtype, fp32 when every
+        expert projection is quantised, on the router's device).
 
         Router tensors are kept in fp32; quantised expert projections stay quantised; the rest take
-        `dtype` (default: the dense expert weights' dtype, or fp32 when all of them are quantised).
-        With a `stream` the expert projections are left where they are (the store reads them) and
-        every other tensor is copied off the checkpoint's map, so only the store touches the file.
-        With `parallel`, `tensors` hold this rank's share of the experts, or all of them, cut here
-        (views: the rest of a mapped file is never read; streamed: the store reads only the owned)."""
-        held = None
-        if parallel is not None:
-            shard = parallel.shard(spec.num_experts)
-            tensors, held = shard.cut(tensors), shard.size
-        check_tensors(spec, tensors, name, held=held)
-        dtype = dtype or _compute_dtype(tensors)
-        # expert parallelism, a rank other than 0: it computes its experts' rows, nothing else
-        serves_experts_only = parallel is not None and not parallel.leads
+        the compute dtype. Streamed, the expert projections are left where they are (the store
+        reads them) and every other tensor is copied off the checkpoint's map, so only the store
+        touches the file. Expert parallelism: `tensors` hold this rank's share of the experts (cut
+        by the model or the loader), and a rank other than 0 holds the rest as stand-ins."""
+        run = run or layer_run(tensors)
+        ep = run.expert_parallel
+        check_tensors(spec, tensors, name, held=ep.shard(spec.num_experts).size if ep is not None else None)
+        streamed = run.expert_cache is not None
         placed = {}
         for key, tensor in tensors.items():
-            if stream is not None and key in _EXPERT_PROJECTIONS:
+            if streamed and key in _EXPERT_PROJECTIONS:
                 placed[key] = tensor
-                continue
-            if isinstance(tensor, QTensor) and key in _EXPERT_PROJECTIONS:
+            elif isinstance(tensor, QTensor) and key in _EXPERT_PROJECTIONS:
                 # quantised experts stay where the file put them: no BLAS reads them, and the
                 # quantised kernels' sums do not depend on an address
-                placed[key] = QTensor(tensor.format, tensor.shape, tensor.data.to(device).contiguous())
-                continue
-            target = torch.float32 if key in FP32_TENSORS else dtype
-            if serves_experts_only and not key.startswith("experts."):  # rank 0 routes, adds the shared
-                placed[key] = torch.empty(tensor.shape, dtype=target, device="meta")
-                continue
-            if isinstance(tensor, QTensor):  # small non-expert tensors are used dense
-                tensor = dequantize(tensor)
-            placed[key] = place(tensor, device, target, own=stream is not None)
-        return cls(
-            spec,
-            placed,
-            name=name,
-            backend=backend,
-            dtype=dtype,
-            dequant_cache=dequant_cache,
-            stream=stream,
-            options=options,
-            parallel=parallel,
-            device=device or "cpu",
-        )
+                placed[key] = QTensor(tensor.format, tensor.shape, tensor.data.to(run.device).contiguous())
+            else:
+                target = torch.float32 if key in FP32_TENSORS else run.dtype
+                if run.serves_experts_only and not key.startswith("experts."):  # rank 0 routes
+                    placed[key] = torch.empty(tensor.shape, dtype=target, device="meta")
+                    continue
+                if isinstance(tensor, QTensor):  # small non-expert tensors are used dense
+                    tensor = dequantize(tensor)
+                placed[key] = place(tensor, run.device, target, own=streamed)
+        return cls(spec, placed, name=name, run=run)
 
     def __call__(
         self,
         x: torch.Tensor,
         after_fetch: Callable[[], None] | None = None,
         router_checks: list[RouterCheck] | None = None,
+        norm: Norm | None = None,
     ) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.spec.hidden)  # [T, H]
-        out = self.forward(x, after_fetch, router_checks)
+        out = self.forward(x, after_fetch, router_checks, norm)
         return out.reshape(shape)
 
     def forward(
@@ -218,96 +188,83 @@ class MoELayer:
         x: torch.Tensor,
         after_fetch: Callable[[], None] | None = None,
         router_checks: list[RouterCheck] | None = None,
+        norm: Norm | None = None,
     ) -> torch.Tensor:
-        """`after_fetch` (streaming only) runs once this step's first experts are fetched and pinned,
-        before they compute: the model starts its prefetch for the next layer there.
-        `router_checks`: the router-logit check is appended there, for the caller to read back with
-        other layers' at once (a host sync per layer would stall a GPU); None: checked here."""
-        return self._streamed_step(self._forward, x, after_fetch, router_checks)
+        """x [T, H] -> the block's output [T, H] in x's dtype: route, share the inputs (expert
+        parallelism), fetch (streaming), the experts and their ordered sum, the shared expert.
 
-    def _streamed_step(self, step: Callable, x: torch.Tensor, after_fetch: Callable[[], None] | None, *args):
-        """step(x, after_fetch, *args); streaming: the step's experts released after it and its
-        route and compute times (fetches left out) recorded in the cache's stats."""
+        `after_fetch` (streaming) runs once this step's first experts are fetched and pinned, before
+        they compute: the model starts its prefetch for the next layer there. `router_checks`: the
+        router-logit check is appended there, for the caller to read back with other layers' at once
+        (a host sync per layer would stall a GPU); None: checked here. `norm` (the cpu backend's
+        one-call decode step): x is the residual stream, normed by the route's native call."""
+        spec, backend = self.spec, self.backend if x.shape[0] == 1 else self.batch_backend
+        trace = layer_trace(self.name)
+        with self._streamed_step():
+            route_start = time.perf_counter()
+            with trace.stage("route", x.device):
+                h, ids, weights = self._route(backend, x, router_checks, norm, trace)
+            self._route_ms = 1e3 * (time.perf_counter() - route_start)
+            if self.parallel is not None:  # the other ranks start on their experts while this fetches
+                self.parallel.share_inputs(h, ids, weights, self.name)
+            if self.experts.stream is not None:  # the host stage: the step's experts into cache slots
+                self._fetch(torch.unique(ids).tolist(), after_fetch)
+            if self.parallel is not None:
+                rows, plan = self._parallel_rows(h, ids, weights, trace)
+                with trace.stage("combine", x.device):
+                    out = self.rows_backend.combine(rows, plan, self.workspace)  # [T, H] fp32
+            else:
+                out = backend.experts(h, ids, weights, self.experts, spec.activation, self.workspace, trace)
+            if spec.shared_intermediate:
+                with trace.stage("shared", x.device):
+                    out = out + backend.shared_expert(h, self.tensors, spec.activation)
+        trace.finish(x.shape[0])
+        return out.to(x.dtype)
+
+    def _route(self, backend, x: torch.Tensor, router_checks, norm: Norm | None, trace):
+        """-> (the tokens the experts read [T, H], ids [T, k] ascending, weights [T, k])."""
+        spec, t = self.spec, self.tensors
+        checks = router_checks if router_checks is not None else []
+        h, logits, ids, weights = backend.route(x, spec.routing, t, self.name, checks, norm)  # [T, E]
+        if router_checks is None:
+            try:
+                raise_on_bad_router_logits(checks)
+            except RouterError:
+                trace.router_figures(logits, None, None, spec.num_experts)
+                raise
+        if ids is None:  # a selection rule the backend's route does not make: torch's, on its logits
+            weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
+        trace.router_figures(logits, ids, weights, spec.num_experts)
+        return h, ids, weights
+
+    @contextlib.contextmanager
+    def _streamed_step(self):
+        """Around a step; streaming: its experts released after it, and its route and compute times
+        (fetches left out) recorded in the cache's stats."""
         stream = self.experts.stream
         if stream is None:
-            return step(x, None, *args)
+            yield
+            return
+        self._route_ms = 0.0
         start, fetched = time.perf_counter(), stream.fetch_s
         try:
-            return step(x, after_fetch, *args)
+            yield
         finally:
             stream.end()
             total_ms = 1e3 * (time.perf_counter() - start)
             route_ms = self._route_ms
             stream.cache.record(route_ms, total_ms - route_ms - 1e3 * (stream.fetch_s - fetched))
 
-    def _forward(
-        self, x: torch.Tensor, after_fetch: Callable[[], None] | None, router_checks: list[RouterCheck] | None
-    ) -> torch.Tensor:
-        spec, t = self.spec, self.tensors
-        backend = self.backend if x.shape[0] == 1 else self.batch_backend
-        trace = layer_trace(self.name)
-        route_start = time.perf_counter()
-        with trace.stage("route", x.device):
-            if hasattr(backend, "route_tokens"):  # native: each token routed alone, checked at once
-                logits, ids, weights = backend.route_tokens(x, spec.routing, t, self.name)  # [T, E], [T, k]
-            else:
-                logits, ids = router_logits(x, t["router.weight"], t.get("router.bias")), None  # [T, E] fp32
-                if router_checks is not None:  # the caller reads every layer's check back at once
-                    router_checks.append(deferred_check(logits, self.name))
-                else:
-                    try:
-                        check_logits(logits, self.name)
-                    except RouterError:
-                        trace.router_figures(logits, None, None, spec.num_experts)
-                        raise
-            if ids is None:
-                weights, ids = route(spec.routing, logits, t.get("router.score_bias"))  # [T, k]
-            trace.router_figures(logits, ids, weights, spec.num_experts)
-        self._route_ms = 1e3 * (time.perf_counter() - route_start)
-        if self.parallel is not None:  # the other ranks start on their experts while this fetches
-            self.parallel.share_inputs(x, ids, weights, self.name)
-        if self.experts.stream is not None:  # the host stage: the step's experts into cache slots
-            self._fetch(self.owned_of(torch.unique(ids).tolist()), after_fetch)
-        if self.parallel is not None:
-            rows, plan = self._parallel_rows(x, ids, weights, trace)
-            with trace.stage("combine", x.device):
-                out = torch_backend.combine(rows, plan, self.workspace)  # [T, H] fp32
-        elif x.shape[0] == 1:
-            with trace.stage("plan", x.device):
-                plan = backend.token_plan(ids, weights, self.name)
-            with trace.stage("experts", x.device):  # the experts and their ordered sum
-                out = backend.token_forward(x[0], plan, self.experts, spec.activation, self.options)[None]
-        elif hasattr(backend, "tokens_forward"):  # the step's experts and their sums in native calls
-            with trace.stage("experts", x.device):
-                out = backend.tokens_forward(
-                    x, ids, weights, self.experts, spec.activation, self.options, self.workspace
-                )
-        else:
-            with trace.stage("plan", x.device):
-                plan = backend.batch_plan(ids, weights, spec.num_experts)
-            with trace.stage("experts", x.device):
-                rows = backend.expert_rows(
-                    x, plan, self.experts, spec.activation, self.workspace, self.options
-                )  # [T*k, H] fp32
-            with trace.stage("combine", x.device):
-                out = backend.combine(rows, plan, self.workspace)  # [T, H] fp32
-        if spec.shared_intermediate:
-            with trace.stage("shared", x.device):
-                out = out + backend.shared_expert(x, t, spec.activation, self.options)
-        trace.finish(x.shape[0])
-        return out.to(x.dtype)
-
     def _parallel_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace):
         """Expert parallelism: the rows of this rank's experts (one contiguous span of the plan's),
         brought to rank 0 -> (rows [T*k, H] fp32: on rank 0 every rank's, the plan)."""
-        # expert by expert (torch's or the native kernels'); a grouped-GEMM backend: torch's rows
-        backend = self.batch_backend if self.batch_backend.STREAMS_PREFILL else torch_backend
+        backend = self.rows_backend  # expert by expert (torch's or the native kernels')
         with trace.stage("plan", x.device):
-            plan = torch_backend.batch_plan(ids, weights, self.spec.num_experts)
+            plan = backend.batch_plan(ids, weights, self.spec.num_experts)
         start = time.perf_counter()
         with trace.stage("experts", x.device):
             rows = backend.expert_rows(
-                x, plan, self.experts, self.spec.activation, self.workspace, self.options, self.experts.owned
+                x, plan, self.experts, self.spec.activation, self.workspace, self.experts.owned
             )  # [T*k, H] fp32, this rank's span set (the exchange brings the rest)
         self.parallel.record_experts(1e3 * (time.perf_counter() - start))
         with trace.stage("exchange", x.device):
@@ -334,76 +291,40 @@ class MoELayer:
         if inputs is None:
             return False
         x, ids, weights, mass = inputs
-        trace = layer_trace(self.name)
-
-        def step(x: torch.Tensor, after_fetch: Callable[[], None] | None) -> None:
-            if self.experts.stream is not None:
-                self._fetch(self.owned_of(torch.unique(ids).tolist()), after_fetch)
-            self._parallel_rows(x, ids, weights, trace)
-
-        self._route_ms = 0.0  # rank 0 routed
         after_fetch = functools.partial(prefetch, mass) if prefetch is not None and mass is not None else None
-        self._streamed_step(step, x, after_fetch)
+        with self._streamed_step():  # rank 0 routed
+            if self.experts.stream is not None:
+                self._fetch(torch.unique(ids).tolist(), after_fetch)
+            self._parallel_rows(x, ids, weights, layer_trace(self.name))
         return True
 
-    @property
-    def decodes_natively(self) -> bool:
-        """Whether `decode_token` runs here: the layer is on the cpu backend (native kernels), and
-        this process runs the model (with expert parallelism: rank 0)."""
-        return hasattr(self.backend, "route_token") and (self.parallel is None or self.parallel.leads)
-
-    def decode_token(
-        self,
-        x: torch.Tensor,
-        norm: torch.Tensor,
-        eps: float,
-        after_fetch: Callable[[], None] | None = None,
-    ) -> None:
-        """One token's decode step on the native CPU kernels, x float32 [H] updated in place:
-        x += this block(rms_norm(x, norm)), with norm float32 [H] the model's norm before it. Its
-        norm, router and routing are one native call, the experts a second (streamed experts are
-        fetched between the two), so a streamed layer computes the resident one's bits."""
-        self._streamed_step(self._decode_token, x, after_fetch, norm, eps)
-
-    def _decode_token(
-        self, x: torch.Tensor, after_fetch: Callable[[], None] | None, norm: torch.Tensor, eps: float
-    ) -> None:
-        spec, t, backend = self.spec, self.tensors, self.backend
-        trace = layer_trace(self.name)
-        route_start = time.perf_counter()
-        h, logits, ids, weights = backend.route_token(x, norm, eps, spec.routing, t, self.name)
-        if ids is None:  # a selection rule the native call does not have: torch's, on its logits
-            weights, ids = route(spec.routing, logits[None], t.get("router.score_bias"))
-        trace.router_figures(logits[None], ids.reshape(1, -1), weights.reshape(1, -1), spec.num_experts)
-        self._route_ms = 1e3 * (time.perf_counter() - route_start)
-        plan = TokenPlan(ids.reshape(-1).tolist(), weights.reshape(-1))  # both rules give ids ascending
-        if self.parallel is not None:  # the other ranks start on their experts while this fetches
-            ids, weights = ids.reshape(1, -1), weights.reshape(1, -1).float()
-            self.parallel.share_inputs(h[None], ids, weights, self.name)
-        if self.experts.stream is not None:
-            self._fetch(self.owned_of(plan.experts), after_fetch)
-        if self.parallel is not None:
-            rows, batch_plan = self._parallel_rows(h[None], ids, weights, trace)
-            out = torch_backend.combine(rows, batch_plan, self.workspace)[0]  # [H] fp32
-        else:
-            out = backend.token_forward(h, plan, self.experts, spec.activation, self.options)  # [H] fp32
-        if spec.shared_intermediate:
-            integer = self.options.int8_on_cpu(self.dtype)
-            out = out + backend.shared_expert(h[None], t, spec.activation, self.options, integer)[0]
-        x += out
-
-    def owned_of(self, experts: list[int]) -> list[int]:
-        """Those of `experts` this process computes: all of them, or with expert parallelism its own."""
-        if self.parallel is None:
-            return experts
-        share = self.parallel.shard(self.spec.num_experts)
-        return [e for e in experts if share.start <= e < share.stop]
+    def expert_mass(self, h: torch.Tensor) -> torch.Tensor:
+        """This layer's routing probabilities for normed hidden states h [..., H], summed over the
+        tokens -> [E] fp32: the prediction of which experts it will run (prefetch)."""
+        t = self.tensors
+        logits = router_logits(h.reshape(-1, self.spec.hidden), t["router.weight"], t.get("router.bias"))
+        return logits.softmax(dim=-1).sum(dim=0)
 
     def _fetch(self, experts: list[int], after_fetch: Callable[[], None] | None) -> None:
-        """Streaming: announce the step's experts (ascending) to the cache; the first group loads."""
-        self.experts.stream.begin([int(e) for e in experts])
+        """Streaming: announce the step's experts this process computes (ascending) to the cache;
+        the first group loads, then `after_fetch` runs."""
+        self.experts.stream.begin([int(e) for e in self.experts.owned_of(experts)])
         if after_fetch is not None:
             after_fetch()
+
+
+def layer_run(
+    tensors: Mapping[str, torch.Tensor | QTensor],
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    backend: str = "torch",
+    activations: ActivationMode | None = None,
+) -> RunSpec:
+    """The run of a layer made on its own (tests, benchmarks, transformers' blocks): `backend` in
+    `dtype` (default: the dense expert weights' dtype, fp32 when every expert projection is
+    quantised) on `device` (default: the router's), `activations` as make_backend decides them."""
+    device = device if device is not None else tensors["router.weight"].device
+    return RunSpec.make(device, dtype or _compute_dtype(tensors), backend, activations)
 
 
 def _compute_dtype(tensors: Mapping[str, torch.Tensor | QTensor]) -> torch.dtype:

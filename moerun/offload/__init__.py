@@ -5,6 +5,7 @@ MoE layer's view of the cache for a step."""
 
 from moerun.offload.cache import CacheBudgetError, CacheCorruptError, ExpertCache, minimum_bytes
 from moerun.offload.policy import POLICIES, LFUPolicy, LRUPolicy
+from moerun.offload.prefetch import NextLayerPrefetch
 from moerun.offload.stats import OffloadStats
 from moerun.offload.store import ExpertReadError, ExpertStore
 from moerun.offload.stream import LayerStream
@@ -19,6 +20,7 @@ __all__ = [
     "LFUPolicy",
     "LRUPolicy",
     "LayerStream",
+    "NextLayerPrefetch",
     "OffloadStats",
     "minimum_bytes",
 ]

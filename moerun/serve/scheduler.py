@@ -24,7 +24,7 @@ from moerun.batching import Batch, Generation, Request
 
 if TYPE_CHECKING:
     from moerun.decoder.kv_cache import KVCache
-    from moerun.decoder.model import MoEModel
+    from moerun.decoder.model import Decoder
 
 Sink = Callable[[tuple[str, object]], None]
 
@@ -68,7 +68,7 @@ class Counters:
 
 class Scheduler:
     def __init__(
-        self, model: MoEModel, parallel: int = 4, queue_size: int = 64, keep_prefixes: int | None = None
+        self, model: Decoder, parallel: int = 4, queue_size: int = 64, keep_prefixes: int | None = None
     ):
         self.model, self.parallel, self.queue_size = model, parallel, queue_size
         self.batch = Batch(model)

@@ -1,41 +1,34 @@
-"""Backends: modules with the same functions and signatures: `batch_plan`, `expert_rows`,
-`combine` for prefill; `token_plan`, `token_forward` for decode; `shared_expert` (each given the
-layer's KernelOptions). `torch` is the reference (plain PyTorch, any device); `cpu` runs on the
-native CPU kernels (moerun.cpu) with the weights in the file's format; `triton` is the GPU path
-(moerun.kernels), which also runs on CPU tensors in triton's interpreter (`TRITON_INTERPRET=1`), as
-the tests run it. `auto`: triton on CUDA, cpu on a CPU where the native kernels run, else torch."""
+"""Backends: objects with one interface and declared capabilities, made once at load (`make_backend`)
+with how their kernels compute.
+
+`torch` is the reference (plain PyTorch, any device); `cpu` runs on the native CPU kernels
+(moerun.cpu) with the weights in the file's format, every linear of the model included; `triton` is
+the GPU path (moerun.kernels), which also runs on CPU tensors in triton's interpreter
+(`TRITON_INTERPRET=1`), as the tests run it. `auto`: triton on CUDA, cpu on a CPU where the native
+kernels run, else torch.
+
+What a backend does for a MoE layer: `route` (router logits, checked, and the selection where its
+kernels make it), `experts` (a step's tokens through their experts and the ordered combine, whatever
+plan its kernels want), `expert_rows` over a batched plan (expert parallelism: a rank's span of
+rows), `shared_expert`, and `linear` for every other projection. What it declares:
+  streams_prefill   prefill visits experts group by group, so a stream can fetch them in turn
+                    (triton's one grouped GEMM reads every touched expert at once: no)
+  native_linears    every linear runs on its kernels, quantised weights kept in the file's format
+  one_call_decode   one token of one sequence runs as native calls (moerun.decoder.native_step)
+"""
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
+from moerun.moe.backends.base import ActivationMode, Backend
 from moerun.settings import settings
 
-Backend = ModuleType
+__all__ = ["BACKENDS", "ActivationMode", "Backend", "make_backend", "resolve_backend"]
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
-
-
-@dataclass(frozen=True)
-class KernelOptions:
-    """How a layer's kernels compute, fixed when the layer is made. `int8_activations`: activations
-    quantised per block to int8 (q8_1 on the GPU, q8_K / q8_0 on the CPU) for integer dot products
-    with the quantised weights, as llama.cpp does; False: activations stay in the compute dtype;
-    None: the backend's default (cpu: on unless the compute dtype is fp32, as measured in
-    docs/PERFORMANCE.md; triton: off until measured on a GPU, bench/gpu_kernels.py times both)."""
-
-    int8_activations: bool | None = None
-
-    def int8_on_cpu(self, dtype: torch.dtype) -> bool:
-        """Whether the cpu backend quantises activations: as asked, else unless `dtype` is fp32."""
-        return self.int8_activations if self.int8_activations is not None else dtype != torch.float32
-
-
-DEFAULT_KERNEL_OPTIONS = KernelOptions()
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -73,17 +66,24 @@ def _native_cpu() -> bool:
     return cpu.available()
 
 
-def get_backend(name: str) -> Backend:
-    if name == "cpu":
-        from moerun.moe.backends import cpu_backend
+def make_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype, activations: ActivationMode | None = None
+) -> Backend:
+    """The backend `name` ("auto" resolved for `device`) computing in `dtype`, its `activations`
+    decided here (None: the backend's default). cpu quantises activations to int8 unless the compute
+    dtype is fp32 (whose users ask for the exact numbers; docs/PERFORMANCE.md measured the rest);
+    triton keeps them in the compute dtype until measured on a GPU (bench/gpu_kernels.py times
+    both); torch, the reference, never quantises them."""
+    resolved = resolve_backend(name, torch.device(device))
+    if resolved == "cpu":
+        from moerun.moe.backends.cpu_backend import CpuBackend
 
-        return cpu_backend
-    if name == "torch":
-        from moerun.moe.backends import torch_backend
+        default = ActivationMode.EXACT if dtype == torch.float32 else ActivationMode.INT8
+        return CpuBackend(activations or default)
+    if resolved == "triton":
+        from moerun.moe.backends.triton_backend import TritonBackend
 
-        return torch_backend
-    if name == "triton":
-        from moerun.moe.backends import triton_backend
+        return TritonBackend(activations or ActivationMode.EXACT)
+    from moerun.moe.backends.torch_backend import TorchBackend
 
-        return triton_backend
-    raise ValueError(f"backend={name!r} is not available; choose one of {list(BACKENDS[1:])}.")
+    return TorchBackend()

@@ -14,14 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from moerun.activations import Activation
-from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, KernelOptions
+from moerun.linear import linear
+from moerun.moe.backends.base import Backend
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
 from moerun.moe.plan import BatchedPlan, TokenPlan, build_plan, build_token_plan
+from moerun.moe.routing import RouterCheck, deferred_check, router_logits
+from moerun.moe.trace import LayerTrace
 
 batch_plan = build_plan
-token_plan = build_token_plan
-STREAMS_PREFILL = True  # prefill visits experts one by one, so a stream can fetch them in groups
 
 
 def _expert_forward(x: torch.Tensor, experts: ExpertWeights, e: int, act: Activation) -> torch.Tensor:
@@ -38,7 +39,6 @@ def expert_rows(
     experts: ExpertWeights,
     act: Activation,
     ws: Workspace,
-    options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
     only: Collection[int] | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> weighted expert outputs [T*k, H] fp32, one row per assignment in plan order
@@ -125,20 +125,12 @@ def combine_token(rows: torch.Tensor) -> torch.Tensor:
     return rows.sum(dim=0)
 
 
-def token_forward(
-    x: torch.Tensor, plan: TokenPlan, experts: ExpertWeights, act: Activation, options: KernelOptions
-) -> torch.Tensor:
-    """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order
-    (`options` ask nothing of this backend: it is the reference)."""
+def token_forward(x: torch.Tensor, plan: TokenPlan, experts: ExpertWeights, act: Activation) -> torch.Tensor:
+    """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
     return combine_token(token_rows(x, plan, experts, act))
 
 
-def shared_expert(
-    x: torch.Tensor,
-    t: Mapping[str, torch.Tensor],
-    act: Activation,
-    options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
-) -> torch.Tensor:
+def shared_expert(x: torch.Tensor, t: Mapping[str, torch.Tensor], act: Activation) -> torch.Tensor:
     """x [T, H] -> the shared expert's output [T, H] fp32 (times sigmoid(x · gate) when gated)."""
     gate_up, down = t["shared.gate_up"], t["shared.down"]
     y = F.linear(act(F.linear(x.to(gate_up.dtype), gate_up).float()).to(down.dtype), down).float()
@@ -146,3 +138,94 @@ def shared_expert(
     if gate is not None:
         y = y * torch.sigmoid(F.linear(x.float(), gate))  # [T, 1]
     return y
+
+
+Norm = tuple[torch.Tensor, float]  # (RMSNorm weight fp32 [H], epsilon) fused into the route
+
+
+class TorchBackend(Backend):
+    """The reference: plain PyTorch on any device, activations never quantised."""
+
+    name = "torch"
+    streams_prefill = True  # prefill visits experts one by one, so a stream can fetch them in groups
+
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype (moerun.linear)."""
+        return linear(x, weight, bias)
+
+    def route(
+        self,
+        x: torch.Tensor,
+        routing,
+        t: Mapping[str, torch.Tensor],
+        layer_name: str,
+        checks: list[RouterCheck],
+        norm: Norm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Tokens x [T, H] (normed) -> (the tokens routed, router logits [T, E] fp32, and ids [T, k]
+        and weights [T, k] where the backend selects them, else None, None: the layer applies
+        `routing`). The logits' NaN/inf check is appended to `checks`, for the caller to read back
+        with other layers' at once (a host sync per layer would stall a GPU). `norm`: only the cpu
+        backend fuses the model's norm into the route."""
+        if norm is not None:
+            raise ValueError(f"the {self.name} backend routes normed tokens; only cpu fuses the norm.")
+        logits = router_logits(x, t["router.weight"], t.get("router.bias"))  # [T, E] fp32
+        checks.append(deferred_check(logits, layer_name))
+        return x, logits, None, None
+
+    def experts(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: ExpertWeights,
+        act: Activation,
+        ws: Workspace,
+        trace: LayerTrace,
+    ) -> torch.Tensor:
+        """Tokens x [T, H], each routed to ids [T, k] (distinct) with weights [T, k] -> the weighted
+        sum of each token's expert outputs [T, H] fp32, summed in plan order (its experts ascending).
+        One token: matrix-vector products; many: the batched plan, rows by expert, the combine.
+        `trace` times the stages (MOERUN_TRACE)."""
+        with trace.stage("plan", x.device):
+            if x.shape[0] == 1:
+                token = self.token_plan(ids, weights, experts.layer_name)
+            else:
+                plan = self.batch_plan(ids, weights, experts.gate_up.shape[0])
+        if x.shape[0] == 1:
+            with trace.stage("experts", x.device):  # the experts and their ordered sum
+                return self.token_forward(x[0], token, experts, act)[None]
+        with trace.stage("experts", x.device):
+            rows = self.expert_rows(x, plan, experts, act, ws)  # [T*k, H] fp32
+        with trace.stage("combine", x.device):
+            return self.combine(rows, plan, ws)
+
+    def token_forward(self, x: torch.Tensor, plan, experts: ExpertWeights, act: Activation) -> torch.Tensor:
+        """One token x [H] with its plan -> the weighted sum of its experts' outputs [H] fp32."""
+        return token_forward(x, plan, experts, act)
+
+    def token_plan(self, ids: torch.Tensor, weights: torch.Tensor, layer_name: str):
+        """One token's ids [1, k] and weights -> its plan (experts ascending, checked distinct)."""
+        return build_token_plan(ids, weights, layer_name)
+
+    def batch_plan(self, ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
+        """ids [T, k] and weights [T, k] -> the batched plan over `num_experts` experts."""
+        return build_plan(ids, weights, num_experts)
+
+    def expert_rows(
+        self,
+        x: torch.Tensor,
+        plan: BatchedPlan,
+        experts: ExpertWeights,
+        act: Activation,
+        ws: Workspace,
+        only: Collection[int] | None = None,
+    ) -> torch.Tensor:
+        """`expert_rows` (this module's function)."""
+        return expert_rows(x, plan, experts, act, ws, only)
+
+    def combine(self, rows: torch.Tensor, plan, ws: Workspace) -> torch.Tensor:
+        return combine(rows, plan, ws)
+
+    def shared_expert(self, x: torch.Tensor, t: Mapping[str, torch.Tensor], act: Activation) -> torch.Tensor:
+        return shared_expert(x, t, act)

@@ -25,12 +25,9 @@ from moerun.kernels.configs import device_name, launch_config, plan_block_m
 from moerun.kernels.device_plan import DevicePlan, build_device_plan
 from moerun.kernels.graph import GraphedStep
 from moerun.kernels.weights import FORMAT_NAMES, KernelWeight, kernel_weight
-from moerun.moe.backends import DEFAULT_KERNEL_OPTIONS, KernelOptions, torch_backend
+from moerun.moe.backends.torch_backend import TorchBackend
 from moerun.moe.backends.workspace import Workspace
 from moerun.moe.experts import ExpertWeights
-
-shared_expert = torch_backend.shared_expert
-STREAMS_PREFILL = False  # one grouped GEMM reads every touched expert at once
 
 
 def unsupported(experts: ExpertWeights) -> str | None:
@@ -65,7 +62,7 @@ def batch_plan(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> De
 class _Prepared:
     """One layer's experts as the kernels read them, their launch configs and the decode graph."""
 
-    def __init__(self, experts: ExpertWeights, device: torch.device, options: KernelOptions):
+    def __init__(self, experts: ExpertWeights, device: torch.device, use_q8_1: bool):
         # no reference to `experts` itself: it is the key of the weak map this object is a value of
         self.biases = (experts.gate_up_bias, experts.down_bias)
         self.stream = experts.stream
@@ -88,7 +85,7 @@ class _Prepared:
         self.graph: GraphedStep | None = None
         # decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q2_k..q6_k,
         # mxfp4) on q8_1 activations, as llama.cpp's mmvq does
-        self.use_q8_1 = bool(options.int8_activations)  # None: off until measured on a GPU
+        self.use_q8_1 = use_q8_1
 
     def slots(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """int32 [k]: where each expert's weights are in the tensors the kernels read."""
@@ -126,53 +123,71 @@ def _pool_weight(weight, pool: torch.Tensor) -> KernelWeight:
 _PREPARED: weakref.WeakKeyDictionary[ExpertWeights, _Prepared] = weakref.WeakKeyDictionary()
 
 
-def _prepared(
-    experts: ExpertWeights, device: torch.device, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
-) -> _Prepared:
-    """The layer's kernel state, made on first use (a layer's options never change)."""
+def _prepared(experts: ExpertWeights, device: torch.device, backend: TritonBackend) -> _Prepared:
+    """The layer's kernel state, made on first use by the layer's backend (whose activation mode
+    never changes)."""
     prepared = _PREPARED.get(experts)
     if prepared is None:
         reason = unsupported(experts)
         if reason:
             raise ValueError(f"MoE layer {experts.layer_name!r}: {reason}; use backend='torch'.")
-        prepared = _PREPARED[experts] = _Prepared(experts, device, options)
+        use_q8_1 = backend.int8_activations
+        prepared = _PREPARED[experts] = _Prepared(experts, device, use_q8_1)
     return prepared
 
 
-# ------------------------------------------------------------------------------------- prefill
-def expert_rows(
-    x: torch.Tensor,
-    plan: DevicePlan,
-    experts: ExpertWeights,
-    act: Activation,
-    ws: Workspace,
-    options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
-) -> torch.Tensor:
-    """x [T, H] -> weighted expert outputs [max_rows, H] fp32 in padded plan order."""
-    p = _prepared(experts, x.device)
-    if p.stream is not None:
-        raise ValueError(
-            f"MoE layer {experts.layer_name!r}: streamed prefill runs on the torch backend "
-            "(see moerun.moe.layer)."
-        )
-    x = x.to(experts.dtype)
-    config = {**p.configs["prefill_gate_up"], "BLOCK_M": plan.block_m}
-    a = grouped_gemm.gate_up_activation(x, plan, p.gate_up, experts.gate_up_bias, act, config)
-    config = {**p.configs["prefill_down"], "BLOCK_M": plan.block_m}
-    return grouped_gemm.down_weighted(a, plan, p.down, experts.down_bias, config)
+class TritonBackend(TorchBackend):
+    """The GPU kernels (moerun.kernels); the router and the shared expert in torch. With
+    int8 activations decode reads q8_1 activations where the kernels have integer dot products."""
 
+    name = "triton"
+    streams_prefill = False  # one grouped GEMM reads every touched expert at once
 
-def combine(rows: torch.Tensor, plan: DevicePlan, ws: Workspace) -> torch.Tensor:
-    """rows [max_rows, H] fp32 -> out [T, H] fp32: each token's rows summed in slot order."""
-    return grouped_gemm.combine_rows(rows, plan, {"BLOCK_M": plan.block_m})
+    def unsupported(self, experts: ExpertWeights) -> str | None:
+        return unsupported(experts)
 
+    def token_plan(self, ids: torch.Tensor, weights: torch.Tensor, layer_name: str) -> DeviceTokenPlan:
+        return token_plan(ids, weights, layer_name)
 
-# -------------------------------------------------------------------------------------- decode
-def token_forward(
-    x: torch.Tensor, plan: DeviceTokenPlan, experts: ExpertWeights, act: Activation, options: KernelOptions
-) -> torch.Tensor:
-    """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan order."""
-    p = _prepared(experts, x.device, options)
-    step = p.decode_graph(x, plan.experts.numel(), act, experts.dtype)
-    out = step.run(x=x, slots=p.slots(plan.experts), experts=plan.experts, weights=plan.weights)
-    return out.clone()  # the graph's output buffer is rewritten by the next step
+    def batch_plan(self, ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> DevicePlan:
+        return batch_plan(ids, weights, num_experts)
+
+    def token_forward(
+        self, x: torch.Tensor, plan: DeviceTokenPlan, experts: ExpertWeights, act: Activation
+    ) -> torch.Tensor:
+        """One token x [H] -> the weighted sum of its experts' outputs [H] fp32, summed in plan
+        order: the layer's decode graph (a CUDA graph on the GPU), replayed."""
+        p = _prepared(experts, x.device, self)
+        step = p.decode_graph(x, plan.experts.numel(), act, experts.dtype)
+        out = step.run(x=x, slots=p.slots(plan.experts), experts=plan.experts, weights=plan.weights)
+        return out.clone()  # the graph's output buffer is rewritten by the next step
+
+    def expert_rows(
+        self,
+        x: torch.Tensor,
+        plan: DevicePlan,
+        experts: ExpertWeights,
+        act: Activation,
+        ws: Workspace,
+        only=None,
+    ) -> torch.Tensor:
+        """x [T, H] -> weighted expert outputs [max_rows, H] fp32 in padded plan order: two grouped
+        GEMMs dequantising the weights in the kernel, the GLU in the first's epilogue and the routing
+        weight in the second's."""
+        if only is not None:
+            raise ValueError("the triton backend computes every expert's rows; a share runs on torch's.")
+        p = _prepared(experts, x.device, self)
+        if p.stream is not None:
+            raise ValueError(
+                f"MoE layer {experts.layer_name!r}: streamed prefill runs on the torch backend "
+                "(see moerun.moe.layer)."
+            )
+        x = x.to(experts.dtype)
+        config = {**p.configs["prefill_gate_up"], "BLOCK_M": plan.block_m}
+        a = grouped_gemm.gate_up_activation(x, plan, p.gate_up, experts.gate_up_bias, act, config)
+        config = {**p.configs["prefill_down"], "BLOCK_M": plan.block_m}
+        return grouped_gemm.down_weighted(a, plan, p.down, experts.down_bias, config)
+
+    def combine(self, rows: torch.Tensor, plan: DevicePlan, ws: Workspace) -> torch.Tensor:
+        """rows [max_rows, H] fp32 -> out [T, H] fp32: each token's rows summed in slot order."""
+        return grouped_gemm.combine_rows(rows, plan, {"BLOCK_M": plan.block_m})

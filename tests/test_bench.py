@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moerun.bench import layer as bench
-from moerun.bench.layer import BenchShape, run_bench
+from moerun.benchmarks import layer as bench
+from moerun.benchmarks.layer import BenchShape, run_bench
 from moerun.cli import main
 
 TINY = BenchShape(

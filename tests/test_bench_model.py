@@ -12,9 +12,14 @@ from conftest import rel_err
 from gguf_from_hf import GGUF_OVERRIDES, QUANT_SIZES, write_gguf
 from hf_models import TINY_OLMOE, make_model, save_model
 
-from moerun.bench import model as bench_model
-from moerun.bench.checkpoint import MoerunContender, compare_logits, format_checkpoint_table, greedy_tokens
-from moerun.bench.model import build_pair, format_model_table, run_model_bench
+from moerun.benchmarks import model as bench_model
+from moerun.benchmarks.checkpoint import (
+    MoerunContender,
+    compare_logits,
+    format_checkpoint_table,
+    greedy_tokens,
+)
+from moerun.benchmarks.model import build_pair, format_model_table, run_model_bench
 from moerun.cli import main
 
 
@@ -149,7 +154,7 @@ def test_model_without_a_path_is_still_the_generated_model(monkeypatch, capsys):
 def test_batch_bench_runs_both_sides_on_the_same_tokens(capsys):
     """`moerun bench --model --batch`: in fp32 on a tiny model, moerun's batch and transformers'
     batched generate pick the same greedy tokens at every batch size."""
-    from moerun.bench.batch import format_batch_table, run_batch_bench
+    from moerun.benchmarks.batch import format_batch_table, run_batch_bench
 
     r = run_batch_bench(layers=2, dtype="fp32", sizes=(1, 3), new_tokens=4, repeats=1, shape=TINY_OLMOE)
     assert [row["batch"] for row in r["rows"]] == [1, 3]
@@ -161,7 +166,7 @@ def test_batch_bench_runs_both_sides_on_the_same_tokens(capsys):
 def test_serve_bench_streams_every_token_asked_for():
     """`moerun bench --serve` on a tiny model: every client's streamed completion has its tokens
     (the generated model's end-of-sequence id lies outside its vocabulary, so none ends early)."""
-    from moerun.bench.serve import format_serve_table, run_serve_bench
+    from moerun.benchmarks.serve import format_serve_table, run_serve_bench
 
     r = run_serve_bench(
         layers=1, dtype="fp32", clients=(1, 2), new_tokens=3, requests_per_client=1, shape=TINY_OLMOE

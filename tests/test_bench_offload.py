@@ -9,8 +9,8 @@ import torch
 from hf_models import TINY_OLMOE
 from safetensors.torch import load_file
 
-from moerun.bench.offload import format_offload_table, run_offload_bench, write_checkpoint
-from moerun.bench.pagecache import cached_fraction
+from moerun.benchmarks.offload import format_offload_table, run_offload_bench, write_checkpoint
+from moerun.benchmarks.pagecache import cached_fraction
 from moerun.checkpoint.load import load
 
 LAYERS, STEPS = 2, 6

@@ -20,7 +20,7 @@ from moerun.quant.formats import COMPUTE_DTYPES
 
 
 def add_parser(commands) -> None:
-    from moerun.bench.layer import SHAPES
+    from moerun.benchmarks.layer import SHAPES
 
     bench = commands.add_parser("bench", help="benchmark one MoE layer with a real model's shapes")
     bench.add_argument("--shape", choices=sorted(SHAPES), default="olmoe", help="whose layer shapes to use")
@@ -108,7 +108,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moerun.bench.layer import format_table, run_bench
+    from moerun.benchmarks.layer import format_table, run_bench
 
     def log(message: str) -> None:
         if not args.json:
@@ -121,11 +121,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.offload:
         raise SystemExit("moerun bench: give --model or --offload, not both.")
     if args.peer and not args.model:
-        from moerun.bench.llama_cpp import check_peer
+        from moerun.benchmarks.llama_cpp import check_peer
 
         check_peer(None)  # refuses in one sentence
     if args.model:
-        from moerun.bench.checkpoint import format_checkpoint_table, run_checkpoint_bench
+        from moerun.benchmarks.checkpoint import format_checkpoint_table, run_checkpoint_bench
 
         results = run_checkpoint_bench(
             args.model,
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(results) if args.json else format_checkpoint_table(results))
         return 0
     if args.offload:
-        from moerun.bench.offload import format_offload_table, run_offload_bench
+        from moerun.benchmarks.offload import format_offload_table, run_offload_bench
 
         results = run_offload_bench(
             layers=args.layers or 2,
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results) if args.json else format_offload_table(results))
         return 0
     if args.model == "" and expert_parallel(args):
-        from moerun.bench.expert_parallel import format_expert_parallel_table, run_expert_parallel_bench
+        from moerun.benchmarks.expert_parallel import format_expert_parallel_table, run_expert_parallel_bench
 
         results = run_expert_parallel_bench(
             layers=args.layers or 2,
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(results) if args.json else format_expert_parallel_table(results))
         return 0
     if args.serve is not None:
-        from moerun.bench.serve import format_serve_table, run_serve_bench
+        from moerun.benchmarks.serve import format_serve_table, run_serve_bench
 
         results = run_serve_bench(
             layers=args.layers or 2,
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch is not None and args.model != "":
         raise SystemExit("moerun bench: --batch runs on the generated model; give --model without a PATH.")
     if args.batch is not None:
-        from moerun.bench.batch import format_batch_table, run_batch_bench
+        from moerun.benchmarks.batch import format_batch_table, run_batch_bench
 
         results = run_batch_bench(
             layers=args.layers or 2,
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results) if args.json else format_batch_table(results))
         return 0
     if args.model is not None:
-        from moerun.bench.model import format_model_table, run_model_bench
+        from moerun.benchmarks.model import format_model_table, run_model_bench
 
         results = run_model_bench(
             layers=args.layers or 4,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moerun.bench.peers import peer_block, run_peer, transformers_available
+from moerun.benchmarks.peers import peer_block, run_peer, transformers_available
 from moerun.families import family
 from moerun.families.moe_block import export
 from moerun.moe.backends import resolve_backend

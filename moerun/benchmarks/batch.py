@@ -1,5 +1,5 @@
 """`moerun bench --model --batch 1,4,8`: batched generation on the generated OLMoE-shaped model
-(moerun.bench.model's weights, shared with transformers' model): B prompts of the same length, each
+(moerun.benchmarks.model's weights, shared with transformers' model): B prompts of the same length, each
 B timed as moerun's batch (`model.generate([...])`, one forward pass per step) and transformers'
 batched `generate` on the same tensors, interleaved. Aggregate tok/s (B x new tokens over the
 whole call, prefill included), moerun's decode-only aggregate (its steps after every prompt is
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moerun.bench.model import generated_run, logged_pair
+from moerun.benchmarks.model import generated_run, logged_pair
 
 
 def run_batch_bench(

@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerun.bench.layer import copy_bandwidth
-from moerun.bench.model import OLMOE as OLMOE_SHAPES
-from moerun.bench.pagecache import cached_fraction, drop_page_cache
+from moerun.benchmarks.layer import copy_bandwidth
+from moerun.benchmarks.model import OLMOE as OLMOE_SHAPES
+from moerun.benchmarks.pagecache import cached_fraction, drop_page_cache
 from moerun.checkpoint.load import load
 from moerun.decoder.model import MoEModel
 from moerun.offload import minimum_bytes

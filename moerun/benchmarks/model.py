@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from moerun.bench.layer import copy_bandwidth, timed
+from moerun.benchmarks.layer import copy_bandwidth, timed
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.decoder.model import MoEModel
 from moerun.families import family

@@ -7,7 +7,7 @@ step and the total. moerun picks the greedy tokens; the peer is fed the same one
 the same positions and their logits are compared there. Prefill: a `prefill_tokens`-token prompt
 into an empty cache, logits of its last position only (what generation needs, and all llama.cpp
 computes). The contenders take turns repetition by repetition (A B A B), so drift in a shared
-machine's speed hits them alike. Bytes per token: `moerun.bench.weight_bytes`; the roofline: a copy
+machine's speed hits them alike. Bytes per token: `moerun.benchmarks.weight_bytes`; the roofline: a copy
 bandwidth measured in the same run.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from moerun.bench.layer import copy_bandwidth
-from moerun.bench.weight_bytes import gguf_decode_bytes, model_decode_bytes
+from moerun.benchmarks.layer import copy_bandwidth
+from moerun.benchmarks.weight_bytes import gguf_decode_bytes, model_decode_bytes
 from moerun.checkpoint.load import load
 from moerun.decoder.model import MoEModel
 from moerun.moe.backends import resolve_backend
@@ -96,7 +96,7 @@ def run_checkpoint_bench(
     `expert_parallel` (under torchrun): rank 0 measures the model with its experts spread over the
     ranks (the peer runs on rank 0 alone) and returns the figures; the other ranks serve their
     experts until it is done and return None."""
-    from moerun.bench.llama_cpp import NAME, LlamaCppPeer, PeerError, check_peer
+    from moerun.benchmarks.llama_cpp import NAME, LlamaCppPeer, PeerError, check_peer
 
     if peer is not None:
         if peer != NAME:

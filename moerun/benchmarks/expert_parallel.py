@@ -1,5 +1,5 @@
 """`torchrun --nproc-per-node W -m moerun bench --model --expert-parallel`: the generated
-OLMoE-shaped model (moerun.bench.model's weights, the same seed on every rank) run expert-parallel
+OLMoE-shaped model (moerun.benchmarks.model's weights, the same seed on every rank) run expert-parallel
 over the W processes (rank 0 runs it, the others serve their experts), against one process in the
 same run (rank 0 alone, the others waiting): prefill and decode tok/s with each collective bringing
 the rows back (all-to-all and reduce, alternated round by round), and per step on rank 0 the bytes
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from moerun.bench.model import GENERATED, build_pair
+from moerun.benchmarks.model import GENERATED, build_pair
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.decoder.model import MoEModel
 from moerun.distributed import ExpertParallel

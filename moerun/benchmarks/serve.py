@@ -1,5 +1,5 @@
 """`moerun bench --serve`: the HTTP server under concurrent streams, on the generated OLMoE-shaped
-model (moerun.bench.model's weights; prompts as token ids). For each number of concurrent clients C,
+model (moerun.benchmarks.model's weights; prompts as token ids). For each number of concurrent clients C,
 C threads of a client process (apart from the server's, as real clients are) each stream
 `requests_per_client` completions (`stream: true`, greedy, `new_tokens` each) from a server with
 `--parallel` = max(C); measured: aggregate tok/s (every client's tokens over the phase's wall time),
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moerun.bench.model import generated_run, logged_pair
+from moerun.benchmarks.model import generated_run, logged_pair
 
 
 def _stream_one(http, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:

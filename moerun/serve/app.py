@@ -30,11 +30,12 @@ POLL_S = 0.25  # how often a whole-response request checks that its client is st
 
 @dataclass
 class ServerState:
-    """What the routes share: the model and its scheduler once loaded (None while loading)."""
+    """What the routes share: the model, its positions per sequence and its scheduler once loaded
+    (None while loading)."""
 
     model_name: str
-    ctx_size: int | None = None
     api_key: str | None = None
+    context: int | None = None
     model: object | None = None
     scheduler: Scheduler | None = None
     load_error: str | None = None
@@ -94,10 +95,6 @@ def build_app(state: ServerState) -> Starlette:
                 "model_not_found",
             )
 
-    def context_of(model) -> int:
-        longest = model.config.max_positions
-        return min(state.ctx_size or longest, longest)
-
     def guarded(handler):
         async def endpoint(request: HTTPRequest) -> Response:
             try:
@@ -116,7 +113,7 @@ def build_app(state: ServerState) -> Starlette:
         body = await read_body(request)
         model, scheduler = ready()
         check_model_name(body)
-        context = context_of(model)
+        context = state.context
         kwargs, options = protocol.generation_options(body, chat, context)
         if chat:
             if model.tokenizer is None:
@@ -267,7 +264,7 @@ def build_app(state: ServerState) -> Starlette:
             "owned_by": "moerun",
         }
         if state.model is not None:
-            card["max_model_len"] = context_of(state.model)
+            card["max_model_len"] = state.context
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: HTTPRequest) -> Response:
@@ -289,7 +286,7 @@ def build_app(state: ServerState) -> Starlette:
         if text is None:
             raise bad("Give the text as 'content' (or 'prompt').", "content")
         ids = model.tokenizer.encode(text, add_special_tokens=body.flag("add_special", True))
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": context_of(model)})
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.context})
 
     async def detokenize(request: HTTPRequest) -> Response:
         body, model = await text_request(request)

@@ -16,11 +16,11 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from moerun.benchmarks import BenchSettings
 from moerun.benchmarks.layer import copy_bandwidth
 from moerun.benchmarks.weight_bytes import gguf_decode_bytes, model_decode_bytes
 from moerun.checkpoint.load import load
@@ -81,22 +81,20 @@ def greedy_tokens(contender, prompt: list[int], steps: int) -> list[int]:
 
 
 def run_checkpoint_bench(
+    settings: BenchSettings,
     path: str | Path,
-    dtype: str = "bf16",
     prefill_tokens: int = 256,
-    decode_steps: int = 32,
-    repeats: int = 3,
     peer: str | None = None,
-    device: str = "cpu",
-    backend: str = "auto",
-    log: Callable[[str], None] = lambda s: None,
     expert_parallel: bool = False,
 ) -> dict | None:
-    """Load `path` and measure it (see the module docstring); `peer`: "llama.cpp" or None.
-    `expert_parallel` (under torchrun): rank 0 measures the model with its experts spread over the
-    ranks (the peer runs on rank 0 alone) and returns the figures; the other ranks serve their
-    experts until it is done and return None."""
+    """Load `path` and measure it (see the module docstring; the device: cpu unless `settings` name
+    one); `peer`: "llama.cpp" or None. `expert_parallel` (under torchrun): rank 0 measures the model
+    with its experts spread over the ranks (the peer runs on rank 0 alone) and returns the figures;
+    the other ranks serve their experts until it is done and return None."""
     from moerun.benchmarks.llama_cpp import NAME, LlamaCppPeer, PeerError, check_peer
+
+    dtype, device, backend, log = settings.dtype, settings.device or "cpu", settings.backend, settings.log
+    decode_steps, repeats = settings.decode_steps, settings.repeats
 
     if peer is not None:
         if peer != NAME:

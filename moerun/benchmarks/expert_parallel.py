@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
+from moerun.benchmarks import BenchSettings
 from moerun.benchmarks.model import GENERATED, build_pair
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.decoder.model import MoEModel
@@ -88,17 +88,12 @@ def _parallel_timings(
 
 
 def run_expert_parallel_bench(
-    layers: int = 2,
-    dtype: str = "bf16",
-    prompt_tokens: int = 128,
-    decode_steps: int = 16,
-    repeats: int = 3,
-    shape: dict | None = None,
-    backend: str = "auto",
-    log: Callable[[str], None] = lambda s: None,
+    settings: BenchSettings, layers: int = 2, prompt_tokens: int = 128, shape: dict | None = None
 ) -> dict:
+    """On the CPU, whatever `settings.device` says (the ranks exchange over gloo)."""
+    dtype, decode_steps, repeats, log = settings.dtype, settings.decode_steps, settings.repeats, settings.log
     ep = ExpertParallel.from_env()
-    backend = resolve_backend(backend, torch.device("cpu"))
+    backend = resolve_backend(settings.backend, torch.device("cpu"))
     log(f"rank {ep.rank}/{ep.world}: building the {layers}-layer OLMoE-shaped model in {dtype}")
     peer, alone = build_pair(layers, COMPUTE_DTYPES[dtype], shape, "cpu", backend)
     state = peer.state_dict()

@@ -14,10 +14,11 @@ import multiprocessing
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from moerun.benchmarks import BenchSettings
 from moerun.benchmarks.model import generated_run, logged_pair
 
 
@@ -72,22 +73,21 @@ def _clients(url: str, prompts, c: int, requests_per_client: int, new_tokens: in
 
 
 def run_serve_bench(
+    settings: BenchSettings,
     layers: int = 2,
-    dtype: str = "bf16",
     clients: Sequence[int] = (1, 4, 8),
     prompt_tokens: int = 32,
-    new_tokens: int = 32,
     requests_per_client: int = 2,
     shape: dict | None = None,
-    device: str | None = None,
-    backend: str = "auto",
-    log: Callable[[str], None] = lambda s: None,
 ) -> dict:
+    """Each number of clients: `requests_per_client` streamed requests of `settings.decode_steps`
+    new tokens each."""
     import httpx
 
     from moerun.serve.server import start
 
-    peer, model, device, backend = logged_pair(layers, dtype, shape, device, backend, log)
+    dtype, new_tokens, log = settings.dtype, settings.decode_steps, settings.log
+    peer, model, device, backend = logged_pair(layers, settings, shape)
     vocab = peer.config.vocab_size
     del peer
     model.warm_up()

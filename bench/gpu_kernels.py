@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from moerun.bench.layer import SHAPES, BenchShape, copy_bandwidth, random_layer  # noqa: E402
+from moerun.benchmarks.layer import SHAPES, BenchShape, copy_bandwidth, random_layer  # noqa: E402
 from moerun.moe.backends import ActivationMode  # noqa: E402
 from moerun.moe.layer import MoELayer, layer_run  # noqa: E402
 from moerun.quant.formats import QTensor, get_format  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moerun.bench.peers import run_peer, transformers_block, transformers_config
+from moerun.benchmarks.peers import run_peer, transformers_block, transformers_config
 
 H, I, E = 32, 24, 8
 

@@ -1,7 +1,7 @@
 """The package's layout as docs/ARCHITECTURE.md draws it: each top-level folder (or root module) of
 moerun may import only the parts listed for it here, so imports flow downward. A new folder, or an
 import the picture does not allow (kernels/ reading files, families/ picking a kernel, the core
-importing cli/ or bench/), fails here and names the file and the import."""
+importing cli/ or benchmarks/), fails here and names the file and the import."""
 
 import ast
 from pathlib import Path
@@ -59,7 +59,7 @@ ALLOWED = {
         "model.py",
     },  # fmt: skip
     "export": {"checkpoint", "decoder", "families", "loader", "quant", "text"},
-    "bench": {
+    "benchmarks": {
         "checkpoint",
         "families",
         "moe",
@@ -74,7 +74,7 @@ ALLOWED = {
     "cli": {
         "moerun",
         "serve",
-        "bench",
+        "benchmarks",
         "checkpoint",
         "export",
         "moe",

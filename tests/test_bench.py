@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moerun.bench import layer as bench
-from moerun.bench.layer import BenchShape, run_bench
+from moerun.benchmarks import BenchSettings
+from moerun.benchmarks import layer as bench
+from moerun.benchmarks.layer import BenchShape, run_bench
 from moerun.cli import main
 
 TINY = BenchShape(
@@ -33,9 +34,8 @@ def _bench_json(monkeypatch, capsys, shape: BenchShape, *args: str) -> dict:
 
 @pytest.mark.parametrize("shape", [TINY, TINY_GPT_OSS], ids=["qwen3_moe", "gpt_oss"])
 def test_bench_figures_and_peer_agreement(shape):
-    r = run_bench(
-        "tiny", dtype="fp32", device="cpu", prefill_tokens=40, decode_steps=4, repeats=2, shape=shape
-    )
+    settings = BenchSettings(dtype="fp32", device="cpu", decode_steps=4, repeats=2)
+    r = run_bench(settings, "tiny", prefill_tokens=40, shape=shape)
     for key in (
         "prefill_tok_s",
         "decode_tok_s",

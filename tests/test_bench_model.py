@@ -12,9 +12,15 @@ from conftest import rel_err
 from gguf_from_hf import GGUF_OVERRIDES, QUANT_SIZES, write_gguf
 from hf_models import TINY_OLMOE, make_model, save_model
 
-from moerun.bench import model as bench_model
-from moerun.bench.checkpoint import MoerunContender, compare_logits, format_checkpoint_table, greedy_tokens
-from moerun.bench.model import build_pair, format_model_table, run_model_bench
+from moerun.benchmarks import BenchSettings
+from moerun.benchmarks import model as bench_model
+from moerun.benchmarks.checkpoint import (
+    MoerunContender,
+    compare_logits,
+    format_checkpoint_table,
+    greedy_tokens,
+)
+from moerun.benchmarks.model import build_pair, format_model_table, run_model_bench
 from moerun.cli import main
 
 
@@ -29,7 +35,8 @@ def test_the_pair_shares_weights_and_agrees_in_fp32():
 
 
 def test_model_bench_reports_both_contenders():
-    r = run_model_bench(layers=1, dtype="fp32", prompt_tokens=16, decode_steps=2, repeats=1, shape=TINY_OLMOE)
+    settings = BenchSettings(dtype="fp32", decode_steps=2, repeats=1)
+    r = run_model_bench(settings, layers=1, prompt_tokens=16, shape=TINY_OLMOE)
     assert r["peer_max_rel_diff"] <= 1e-4 and r["same_greedy_last_token"]
     assert r["prefill_tok_s"] > 0 and r["decode_vs_peer"] > 0
     assert "decode" in format_model_table(r)
@@ -149,9 +156,10 @@ def test_model_without_a_path_is_still_the_generated_model(monkeypatch, capsys):
 def test_batch_bench_runs_both_sides_on_the_same_tokens(capsys):
     """`moerun bench --model --batch`: in fp32 on a tiny model, moerun's batch and transformers'
     batched generate pick the same greedy tokens at every batch size."""
-    from moerun.bench.batch import format_batch_table, run_batch_bench
+    from moerun.benchmarks.batch import format_batch_table, run_batch_bench
 
-    r = run_batch_bench(layers=2, dtype="fp32", sizes=(1, 3), new_tokens=4, repeats=1, shape=TINY_OLMOE)
+    settings = BenchSettings(dtype="fp32", decode_steps=4, repeats=1)  # 4 new tokens per prompt
+    r = run_batch_bench(settings, layers=2, sizes=(1, 3), shape=TINY_OLMOE)
     assert [row["batch"] for row in r["rows"]] == [1, 3]
     assert all(row["same_greedy_tokens"] for row in r["rows"])
     assert r["rows"][0]["scaling"] == 1.0 and all(row["tok_s"] > 0 for row in r["rows"])
@@ -161,11 +169,10 @@ def test_batch_bench_runs_both_sides_on_the_same_tokens(capsys):
 def test_serve_bench_streams_every_token_asked_for():
     """`moerun bench --serve` on a tiny model: every client's streamed completion has its tokens
     (the generated model's end-of-sequence id lies outside its vocabulary, so none ends early)."""
-    from moerun.bench.serve import format_serve_table, run_serve_bench
+    from moerun.benchmarks.serve import format_serve_table, run_serve_bench
 
-    r = run_serve_bench(
-        layers=1, dtype="fp32", clients=(1, 2), new_tokens=3, requests_per_client=1, shape=TINY_OLMOE
-    )
+    settings = BenchSettings(dtype="fp32", decode_steps=3)  # 3 new tokens per request
+    r = run_serve_bench(settings, layers=1, clients=(1, 2), requests_per_client=1, shape=TINY_OLMOE)
     assert [(row["clients"], row["requests"], row["tokens"]) for row in r["rows"]] == [(1, 1, 3), (2, 2, 6)]
     assert all(row["ttft_max_s"] > 0 and row["tok_s"] > 0 for row in r["rows"])
     # the scheduler stepped for part of each phase's wall time, never more than all of it
@@ -190,15 +197,8 @@ def test_model_bench_on_a_tiny_deepseek_shape():
         n_routed_experts=8,
         num_experts_per_tok=2,
     )
-    r = run_model_bench(
-        layers=2,
-        dtype="fp32",
-        prompt_tokens=16,
-        decode_steps=2,
-        repeats=1,
-        shape=tiny,
-        generated="deepseek-v2-lite",
-    )
+    settings = BenchSettings(dtype="fp32", decode_steps=2, repeats=1)
+    r = run_model_bench(settings, layers=2, prompt_tokens=16, shape=tiny, generated="deepseek-v2-lite")
     assert r["peer_max_rel_diff"] <= 1e-4 and r["same_greedy_last_token"]
     assert r["kv_bytes_per_token"] == 2 * (16 + 8) * 4  # 2 layers, fp32
     assert "KV cache per token" in format_model_table(r)

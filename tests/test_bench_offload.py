@@ -9,8 +9,9 @@ import torch
 from hf_models import TINY_OLMOE
 from safetensors.torch import load_file
 
-from moerun.bench.offload import format_offload_table, run_offload_bench, write_checkpoint
-from moerun.bench.pagecache import cached_fraction
+from moerun.benchmarks import BenchSettings
+from moerun.benchmarks.offload import format_offload_table, run_offload_bench, write_checkpoint
+from moerun.benchmarks.pagecache import cached_fraction
 from moerun.checkpoint.load import load
 
 LAYERS, STEPS = 2, 6
@@ -18,9 +19,8 @@ LAYERS, STEPS = 2, 6
 
 @pytest.fixture(scope="module")
 def result():
-    return run_offload_bench(
-        layers=LAYERS, dtype="fp32", prompt_tokens=16, decode_steps=STEPS, warmup_steps=2, shape=TINY_OLMOE
-    )
+    settings = BenchSettings(dtype="fp32", decode_steps=STEPS)
+    return run_offload_bench(settings, layers=LAYERS, prompt_tokens=16, warmup_steps=2, shape=TINY_OLMOE)
 
 
 def test_the_checkpoint_is_what_the_safetensors_package_reads(tmp_path):
@@ -96,10 +96,10 @@ def test_predictable_checkpoint_makes_every_prefetch_count(tmp_path):
     theirs = load_file(tmp_path / "model.safetensors")
     assert torch.equal(theirs["model.layers.0.mlp.gate.weight"], theirs["model.layers.1.mlp.gate.weight"])
     assert not theirs["model.layers.1.mlp.experts.down_proj"].any()
+    settings = BenchSettings(dtype="fp32", decode_steps=STEPS)
     r = run_offload_bench(
-        layers=LAYERS, dtype="fp32", prompt_tokens=16, decode_steps=STEPS, warmup_steps=2,
-        shape=TINY_OLMOE, predictable=True,
-    )  # fmt: skip
+        settings, layers=LAYERS, prompt_tokens=16, warmup_steps=2, shape=TINY_OLMOE, predictable=True
+    )
     on = next(run for run in r["runs"] if run["cache_fraction"] == 0.5 and run["prefetch_k"])
     assert on["prefetch_waste"] == 0.0 and on["prefetch_recall"] > 0.0
     assert r["same_logits_as_resident"]

@@ -10,7 +10,7 @@ import gguf
 import pytest
 import torch
 
-from moerun.bench import checkpoint as bench_checkpoint
+from moerun.benchmarks import checkpoint as bench_checkpoint
 from moerun.checkpoint.load import load
 from moerun.cli import main
 

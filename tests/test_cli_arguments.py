@@ -78,6 +78,28 @@ def test_perplexity_values_are_checked_before_loading(capsys, tmp_path):
     assert "--stride" in err
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "perplexity"])
+def test_a_ctx_size_below_one_is_refused_before_loading(capsys, tmp_path, command):
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    extra = {"generate": ["-p", "hi"], "perplexity": ["-f", str(text)]}.get(command, [])
+    err = _refusal(capsys, [command, "-m", MISSING, *extra, "-c", "0"])
+    assert err == f"moerun {command}: --ctx-size must be >= 1, got 0.\n"
+
+
+def test_ctx_size_help_says_its_default():
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name, default in [
+        ("generate", "the model's context"),
+        ("chat", "the model's context"),
+        ("serve", "4096, or the model's context if shorter"),
+        ("perplexity", "512, or the model's context if shorter"),
+    ]:
+        action = next(a for a in commands[name]._actions if a.dest == "ctx_size")
+        assert action.option_strings == ["-c", "--ctx-size"] and action.default is None
+        assert action.help.endswith(f"(default: {default})"), (name, action.help)
+
+
 def test_sampling_flags_without_temperature_are_named(capsys):
     main(["generate", "-m", MISSING, "-p", "hi", "--top-k", "5", "--seed", "1"])
     first = capsys.readouterr().err.splitlines()[0]

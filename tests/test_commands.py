@@ -56,7 +56,7 @@ def test_generate_chat_flag_uses_the_template(checkpoint, capsys):
 
 
 class Args:
-    command, model, system, max_tokens, ctx_size = "chat", "tiny", None, 6, None
+    command, model, system, max_tokens, ctx_size, ctx_size_default = "chat", "tiny", None, 6, None, None
     temperature, top_k, top_p, min_p, repeat_penalty, seed, stop = 0.0, 0, 1.0, 0.0, 1.0, None, []
     presence_penalty = frequency_penalty = 0.0
 
@@ -159,6 +159,26 @@ def test_chat_keeps_going_when_the_context_is_full(checkpoint, capsys):
     last = model.tokenizer.decode(prompts[-1])
     assert turns[-1] in last and turns[0] not in last
     assert "oldest" in capsys.readouterr().err
+
+
+def test_a_ctx_size_past_the_models_context_is_one_sentence(checkpoint, capsys, tmp_path):
+    """--ctx-size is checked against the model's context once it is loaded, in one sentence naming
+    both numbers, by every command that has it (the tiny model's context is 256)."""
+    expected = "--ctx-size must be between 1 and this model's context of 256 positions, got 300."
+    err = _generate(checkpoint, capsys, "-c", "300", expect=2).err
+    assert err.strip().splitlines()[-1] == f"moerun generate: {expected}"
+    text = tmp_path / "text.txt"
+    text.write_text("hello café " * 20)
+    assert main(["perplexity", "-m", str(checkpoint), "-f", str(text), "-c", "300", "--dtype", "fp32"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"moerun perplexity: {expected}"
+
+    def read(prompt):
+        raise AssertionError("chat read a line before checking its context")
+
+    model = moerun.load(checkpoint, dtype=torch.float32)
+    with pytest.raises(ValueError) as refusal:
+        run_chat(model, Args(ctx_size=300), read)
+    assert str(refusal.value) == expected
 
 
 def _json(checkpoint, capsys, *flags):

@@ -423,7 +423,7 @@ def test_torchrun_runs_the_checkpoint_bench_expert_parallel(tmp_path):
     assert ep["placement"] == "rank 0 of 2: experts 0-3 of 8"
     assert ep["steps"] > 0 and ep["sent_bytes"] > 0 and ep["received_bytes"] > 0 and r["decode_tok_s"] > 0
     # the weights a token reads are the model's, wherever its experts are: one process's count
-    from moerun.bench.weight_bytes import model_decode_bytes
+    from moerun.benchmarks.weight_bytes import model_decode_bytes
 
     assert r["bytes_per_token"] == model_decode_bytes(moerun.load(path, dtype=torch.float32))
 
@@ -431,13 +431,13 @@ def test_torchrun_runs_the_checkpoint_bench_expert_parallel(tmp_path):
 def _bench_rank(rank: int, world: int, init: str, out: str) -> None:
     from hf_models import TINY_OLMOE
 
-    from moerun.bench.expert_parallel import format_expert_parallel_table, run_expert_parallel_bench
+    from moerun.benchmarks import BenchSettings
+    from moerun.benchmarks.expert_parallel import format_expert_parallel_table, run_expert_parallel_bench
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    r = run_expert_parallel_bench(
-        layers=2, dtype="fp32", prompt_tokens=8, decode_steps=3, repeats=1, shape=TINY_OLMOE
-    )
+    settings = BenchSettings(dtype="fp32", decode_steps=3, repeats=1)
+    r = run_expert_parallel_bench(settings, layers=2, prompt_tokens=8, shape=TINY_OLMOE)
     if rank == 0:
         r["table"] = format_expert_parallel_table(r)
     torch.save(r, os.path.join(out, f"bench-{rank}.pt"))

@@ -401,7 +401,30 @@ def test_the_serve_command_answers_once_loaded(checkpoint):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert client.models.list().data[0].id == "tiny"
         assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        # --ctx-size's default, 4096, is the model's 256 here: a default is never refused
+        card = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]
+        assert card["max_model_len"] == 256
     finally:
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=30)
     assert "ready on http://127.0.0.1" in err and "Traceback" not in err
+
+
+def test_a_ctx_size_past_the_models_context_refuses_to_serve(checkpoint):
+    """An explicit --ctx-size longer than the model's context is not cut to it: once the model is
+    loaded the server stops, and the command exits 2 with one sentence naming both numbers."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "moerun", "serve", "-m", str(checkpoint), "--port", "0", "-c", "512"]
+    run = subprocess.run([*command, "--dtype", "fp32"], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "moerun serve: --ctx-size must be between 1 and this model's context of 256 positions, got 512."
+    )
+    assert "ready on" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_start_refuses_a_ctx_size_past_the_models_context(reference):
+    with pytest.raises(ValueError, match="context of 256 positions, got 257"):
+        start(reference, ctx_size=257)

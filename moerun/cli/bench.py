@@ -1,13 +1,18 @@
 """`moerun bench`: one MoE layer with a real model's shapes against transformers' block (the
 default), a whole generated model (--model), a checkpoint (--model PATH, with --peer llama.cpp on a
-GGUF file), or expert streaming (--offload); a table or --json."""
+GGUF file), expert streaming (--offload), batched generation (--model --batch), the HTTP server
+(--serve) or expert parallelism (--model --expert-parallel); a table or --json. MODES says which
+flags pick which benchmark."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 
+from moerun.benchmarks import BenchSettings
 from moerun.cli.common import (
     add_threads_argument,
     check_threads,
@@ -20,9 +25,18 @@ from moerun.quant.formats import COMPUTE_DTYPES
 
 
 def add_parser(commands) -> None:
-    from moerun.bench.layer import SHAPES
-
     bench = commands.add_parser("bench", help="benchmark one MoE layer with a real model's shapes")
+    _add_measurement_flags(bench)
+    _add_layer_flags(bench)
+    _add_model_flags(bench)
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(run=run)
+
+
+def _add_measurement_flags(bench: argparse.ArgumentParser) -> None:
+    """What every mode measures with (and the layer mode's --shape)."""
+    from moerun.benchmarks.layer import SHAPES
+
     bench.add_argument("--shape", choices=sorted(SHAPES), default="olmoe", help="whose layer shapes to use")
     bench.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default="bf16", help="compute dtype")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -32,6 +46,10 @@ def add_parser(commands) -> None:
     )
     bench.add_argument("--decode-steps", type=int, default=32, help="decode steps timed")
     add_threads_argument(bench)
+
+
+def _add_layer_flags(bench: argparse.ArgumentParser) -> None:
+    """The layer mode's: its peer, and the formats to quantise its experts to."""
     bench.add_argument(
         "--peer-impl",
         choices=["grouped_mm", "eager"],
@@ -47,6 +65,11 @@ def add_parser(commands) -> None:
         help="with --format: keep up to this many GB of dequantised experts for prefill (default: off)",
     )
     bench.add_argument("--no-peer", action="store_true", help="skip transformers' block")
+
+
+def _add_model_flags(bench: argparse.ArgumentParser) -> None:
+    """The flags that pick the other modes (a checkpoint, a generated model, offload, batch, serve,
+    expert parallelism) and their settings."""
     bench.add_argument(
         "-m",
         "--model",
@@ -103,13 +126,99 @@ def add_parser(commands) -> None:
         help="under torchrun: the model's experts spread over the ranks (on by itself when WORLD_SIZE > 1); "
         "--model without a PATH: the generated model expert-parallel against one process",
     )
-    bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.set_defaults(run=run)
+
+
+# Each mode: (args, settings) -> (its figures, or None on a rank that does not report; the function
+# that writes them as a table). Each imports its benchmark when it runs.
+Figures = tuple[dict | None, Callable[[dict], str]]
+
+
+def _checkpoint(args: argparse.Namespace, settings: BenchSettings) -> Figures:
+    from moerun.benchmarks.checkpoint import format_checkpoint_table, run_checkpoint_bench
+
+    results = run_checkpoint_bench(
+        settings=settings,
+        path=args.model,
+        prefill_tokens=args.prefill_tokens or 256,
+        peer=args.peer,
+        expert_parallel=expert_parallel(args),
+    )
+    return results, format_checkpoint_table  # rank 0 alone measures and reports
+
+
+def _offload(args: argparse.Namespace, settings: BenchSettings) -> Figures:
+    from moerun.benchmarks.offload import format_offload_table, run_offload_bench
+
+    results = run_offload_bench(settings=settings, layers=args.layers or 2, predictable=args.predictable)
+    return results, format_offload_table
+
+
+def _expert_parallel(args: argparse.Namespace, settings: BenchSettings) -> Figures:
+    from moerun.benchmarks.expert_parallel import format_expert_parallel_table, run_expert_parallel_bench
+
+    results = run_expert_parallel_bench(
+        settings=settings, layers=args.layers or 2, prompt_tokens=args.prefill_tokens or 128
+    )
+    # rank 0 alone measures and reports
+    return (results if "collectives" in results else None), format_expert_parallel_table
+
+
+def _serve(args: argparse.Namespace, settings: BenchSettings) -> Figures:
+    from moerun.benchmarks.serve import format_serve_table, run_serve_bench
+
+    clients = _sizes(args.serve, "--serve")
+    return run_serve_bench(settings=settings, layers=args.layers or 2, clients=clients), format_serve_table
+
+
+def _batch(args: argparse.Namespace, settings: BenchSettings) -> Figures:
+    if args.model != "":
+        raise SystemExit("moerun bench: --batch runs on the generated model; give --model without a PATH.")
+    from moerun.benchmarks.batch import format_batch_table, run_batch_bench
+
+    sizes = _sizes(args.batch)
+    return run_batch_bench(settings=settings, layers=args.layers or 2, sizes=sizes), format_batch_table
+
+
+def _model(args: argparse.Namespace, settings: BenchSettings) -> Figures:
+    from moerun.benchmarks.model import format_model_table, run_model_bench
+
+    results = run_model_bench(
+        settings=settings,
+        layers=args.layers or 4,
+        prompt_tokens=args.prefill_tokens or 512,
+        generated=args.generated,
+    )
+    return results, format_model_table
+
+
+def _layer(args: argparse.Namespace, settings: BenchSettings) -> Figures:
+    from moerun.benchmarks.layer import REPEATS, format_table, run_bench
+
+    results = run_bench(
+        settings=replace(settings, repeats=REPEATS),
+        shape_name=args.shape,
+        prefill_tokens=args.prefill_tokens or 512,
+        peer=not args.no_peer,
+        peer_impl=args.peer_impl,
+        formats=_formats(args),
+        dequant_cache_gb=args.dequant_cache_gb,
+    )
+    return results, format_table
+
+
+# mode -> (whether the flags ask for it, the function that runs it); the first asked for runs
+MODES: dict[str, tuple[Callable[[argparse.Namespace], bool], Callable[..., Figures]]] = {
+    "checkpoint": (lambda args: bool(args.model), _checkpoint),  # --model PATH
+    "offload": (lambda args: args.offload, _offload),
+    "expert-parallel": (lambda args: args.model == "" and expert_parallel(args), _expert_parallel),
+    "serve": (lambda args: args.serve is not None, _serve),
+    "batch": (lambda args: args.batch is not None, _batch),  # needs --model without a PATH
+    "model": (lambda args: args.model is not None, _model),  # --model without a PATH
+    "layer": (lambda args: True, _layer),  # the default
+}
 
 
 def run(args: argparse.Namespace) -> int:
-    from moerun.bench.layer import format_table, run_bench
-
     def log(message: str) -> None:
         if not args.json:
             print(f"... {message}", file=sys.stderr, flush=True)
@@ -121,116 +230,21 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.offload:
         raise SystemExit("moerun bench: give --model or --offload, not both.")
     if args.peer and not args.model:
-        from moerun.bench.llama_cpp import check_peer
+        from moerun.benchmarks.llama_cpp import check_peer
 
         check_peer(None)  # refuses in one sentence
-    if args.model:
-        from moerun.bench.checkpoint import format_checkpoint_table, run_checkpoint_bench
-
-        results = run_checkpoint_bench(
-            args.model,
-            dtype=args.dtype,
-            prefill_tokens=args.prefill_tokens or 256,
-            decode_steps=args.decode_steps,
-            repeats=args.repeats,
-            peer=args.peer,
-            device=args.device or "cpu",
-            backend=args.backend,
-            log=log,
-            expert_parallel=expert_parallel(args),
-        )
-        if results is not None:  # rank 0 alone measures and prints
-            print(json.dumps(results) if args.json else format_checkpoint_table(results))
-        return 0
-    if args.offload:
-        from moerun.bench.offload import format_offload_table, run_offload_bench
-
-        results = run_offload_bench(
-            layers=args.layers or 2,
-            dtype=args.dtype,
-            decode_steps=args.decode_steps,
-            predictable=args.predictable,
-            log=log,
-        )
-        print(json.dumps(results) if args.json else format_offload_table(results))
-        return 0
-    if args.model == "" and expert_parallel(args):
-        from moerun.bench.expert_parallel import format_expert_parallel_table, run_expert_parallel_bench
-
-        results = run_expert_parallel_bench(
-            layers=args.layers or 2,
-            dtype=args.dtype,
-            prompt_tokens=args.prefill_tokens or 128,
-            decode_steps=args.decode_steps,
-            repeats=args.repeats,
-            backend=args.backend,
-            log=log,
-        )
-        if "collectives" in results:  # rank 0 alone measures and prints
-            print(json.dumps(results) if args.json else format_expert_parallel_table(results))
-        return 0
-    if args.serve is not None:
-        from moerun.bench.serve import format_serve_table, run_serve_bench
-
-        results = run_serve_bench(
-            layers=args.layers or 2,
-            dtype=args.dtype,
-            clients=_sizes(args.serve, "--serve"),
-            new_tokens=args.decode_steps,
-            device=args.device,
-            backend=args.backend,
-            log=log,
-        )
-        print(json.dumps(results) if args.json else format_serve_table(results))
-        return 0
-    if args.batch is not None and args.model != "":
-        raise SystemExit("moerun bench: --batch runs on the generated model; give --model without a PATH.")
-    if args.batch is not None:
-        from moerun.bench.batch import format_batch_table, run_batch_bench
-
-        results = run_batch_bench(
-            layers=args.layers or 2,
-            dtype=args.dtype,
-            sizes=_sizes(args.batch),
-            new_tokens=args.decode_steps,
-            repeats=args.repeats,
-            device=args.device,
-            backend=args.backend,
-            log=log,
-        )
-        print(json.dumps(results) if args.json else format_batch_table(results))
-        return 0
-    if args.model is not None:
-        from moerun.bench.model import format_model_table, run_model_bench
-
-        results = run_model_bench(
-            layers=args.layers or 4,
-            dtype=args.dtype,
-            prompt_tokens=args.prefill_tokens or 512,
-            decode_steps=args.decode_steps,
-            repeats=args.repeats,
-            device=args.device,
-            backend=args.backend,
-            log=log,
-            generated=args.generated,
-        )
-        print(json.dumps(results) if args.json else format_model_table(results))
-        return 0
-
-    results = run_bench(
-        shape_name=args.shape,
+    settings = BenchSettings(
         dtype=args.dtype,
         device=args.device,
-        prefill_tokens=args.prefill_tokens or 512,
-        decode_steps=args.decode_steps,
-        peer=not args.no_peer,
-        formats=_formats(args),
-        dequant_cache_gb=args.dequant_cache_gb,
-        peer_impl=args.peer_impl,
         backend=args.backend,
+        decode_steps=args.decode_steps,
+        repeats=args.repeats,
         log=log,
     )
-    print(json.dumps(results) if args.json else format_table(results))
+    measure = next(measure for asked, measure in MODES.values() if asked(args))
+    results, table = measure(args, settings)
+    if results is not None:
+        print(json.dumps(results) if args.json else table(results))
     return 0
 
 

@@ -14,6 +14,7 @@ from typing import TextIO
 from moerun.cli.common import (
     add_generation_arguments,
     add_model_arguments,
+    context_size,
     generation_options,
     load_with_progress,
     serve_experts_for_rank_0,
@@ -46,8 +47,8 @@ def run_chat(
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot chat; use `moerun generate` with ids.")
     model.tokenizer.render_chat([{"role": "user", "content": ""}])  # no template: say so now, not later
-    options = generation_options(args, err)
-    context = options["ctx_size"] or model.config.max_positions
+    context = context_size(args, model)
+    options = dict(generation_options(args, err), ctx_size=context)
     # positions kept free for a reply when old turns are dropped
     room = max(1, min(context // 2, context if options["max_new_tokens"] < 0 else options["max_new_tokens"]))
     system = [{"role": "system", "content": args.system}] if args.system else []

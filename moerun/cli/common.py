@@ -108,7 +108,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="new tokens at most; -1: until EOS or the context ends",
     )
-    add_ctx_size_argument(parser, "positions of the context, prompt included (default: the model's)")
+    add_ctx_size_argument(parser)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
     parser.add_argument(
         "--top-k", type=int, default=0, help="with --temperature: sample from the k likeliest (0: off)"
@@ -139,8 +139,30 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, help="a system message for the chat template")
 
 
-def add_ctx_size_argument(parser: argparse.ArgumentParser, help: str) -> None:
-    parser.add_argument("-c", "--ctx-size", type=int, default=None, help=help)
+def add_ctx_size_argument(
+    parser: argparse.ArgumentParser,
+    default: int | None = None,
+    what: str = "positions per sequence, prompt included",
+) -> None:
+    """-c/--ctx-size, for every command that has it. `default` None: the model's context; a number:
+    that many positions, or the model's context where it is shorter. A value given is checked
+    against the model's context once the model is loaded (`context_size`), never cut to it."""
+    shown = "the model's context" if default is None else f"{default}, or the model's context if shorter"
+    parser.add_argument("-c", "--ctx-size", type=int, default=None, help=f"{what} (default: {shown})")
+    parser.set_defaults(ctx_size_default=default)
+
+
+def context_size(args: argparse.Namespace, model) -> int:
+    """--ctx-size for `model`: its value checked against the model's context (a ValueError naming
+    both numbers), or the command's default where none was given."""
+    longest, given, default = model.config.max_positions, args.ctx_size, args.ctx_size_default
+    if given is None:
+        return longest if default is None else min(default, longest)
+    if not 1 <= given <= longest:
+        raise ValueError(
+            f"--ctx-size must be between 1 and this model's context of {longest} positions, got {given}."
+        )
+    return given
 
 
 def read_text(path: str, flag: str = "--file") -> str:
@@ -181,6 +203,9 @@ def check_model_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefetch-k must be >= 0, got {args.prefetch_k}.")
     if not args.host_cache_gb >= 0:
         raise ValueError(f"--host-cache-gb must be >= 0, got {args.host_cache_gb}.")
+    # the part of --ctx-size's check that needs no model, so a big one is not loaded to learn it
+    if getattr(args, "ctx_size", None) is not None and args.ctx_size < 1:
+        raise ValueError(f"--ctx-size must be >= 1, got {args.ctx_size}.")
 
 
 def check_threads(args: argparse.Namespace) -> None:
@@ -195,11 +220,10 @@ def use_threads(args: argparse.Namespace) -> None:
 
 def generation_options(args: argparse.Namespace, err: TextIO) -> dict:
     """The generation flags as model.generate's keyword options, checked before anything loads
-    (a ValueError naming the flag); flags greedy decoding does not use are named on `err`."""
+    (a ValueError naming the flag); flags greedy decoding does not use are named on `err`. The
+    context is not among them: it needs the model (`context_size`)."""
     if args.max_tokens < -1:
         raise ValueError(f"--max-tokens must be >= 0, or -1 for no limit, got {args.max_tokens}.")
-    if args.ctx_size is not None and args.ctx_size < 1:
-        raise ValueError(f"--ctx-size must be >= 1, got {args.ctx_size}.")
     sampling = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in SAMPLING_FLAGS.items()}
     check_sampling(sampling, SAMPLING_FLAGS)
     if unused := SamplingParams(**sampling).unused():
@@ -208,7 +232,7 @@ def generation_options(args: argparse.Namespace, err: TextIO) -> dict:
             f"moerun {args.command}: {flags} {'applies' if len(unused) == 1 else 'apply'} only when "
             "sampling; add --temperature (> 0) to sample.\n"
         )
-    return dict(sampling, stop=args.stop, max_new_tokens=args.max_tokens, ctx_size=args.ctx_size)
+    return dict(sampling, stop=args.stop, max_new_tokens=args.max_tokens)
 
 
 def expert_parallel(args: argparse.Namespace) -> bool:

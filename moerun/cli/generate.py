@@ -13,6 +13,7 @@ from moerun.cli.common import (
     INTERRUPTED,
     add_generation_arguments,
     add_model_arguments,
+    context_size,
     generation_options,
     load_with_progress,
     read_text,
@@ -115,6 +116,7 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
         return _run_batch(args, read_prompts(args.prompts_file), options, out, err)
     prompt = read_prompt(args)
     model = load_with_progress(args, err)
+    options["ctx_size"] = context_size(args, model)
     tokens = model.generate(_prompt_for_model(model, args, prompt), **options)
     generated = []
     try:
@@ -142,6 +144,7 @@ def _run_batch(args: argparse.Namespace, prompts: list[str], options: dict, out:
     """--prompts-file: every prompt in one batch; each completion after a header line (or one JSON
     record per prompt, in order, with --json); the batch's figures on stderr."""
     model = load_with_progress(args, err)
+    options["ctx_size"] = context_size(args, model)
     inputs = [_prompt_for_model(model, args, p) for p in prompts]
     outputs = model.generate(inputs, parallel=args.parallel, **options)
     stats = model.stats()

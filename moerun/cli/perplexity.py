@@ -11,6 +11,7 @@ from typing import TextIO
 from moerun.cli.common import (
     add_ctx_size_argument,
     add_model_arguments,
+    context_size,
     load_with_progress,
     read_text,
     serve_experts_for_rank_0,
@@ -21,7 +22,7 @@ def add_parser(commands) -> None:
     command = commands.add_parser("perplexity", help="a model's perplexity over a text file")
     add_model_arguments(command)
     command.add_argument("-f", "--file", required=True, help="the text to score (- for stdin)")
-    add_ctx_size_argument(command, "tokens per window (default: 512, or the model's context if shorter)")
+    add_ctx_size_argument(command, 512, "tokens per window")
     command.add_argument(
         "--stride", type=int, default=None, help="tokens between window starts (default: half of --ctx-size)"
     )
@@ -33,8 +34,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     from moerun.perplexity import perplexity
 
     out, err = out or sys.stdout, err or sys.stderr
-    if args.ctx_size is not None and args.ctx_size < 1:
-        raise ValueError(f"--ctx-size must be >= 1, got {args.ctx_size}.")
     if args.stride is not None and not 0 < args.stride <= (args.ctx_size or args.stride):
         raise ValueError(f"--stride must be in [1, --ctx-size], got {args.stride}.")
     if (status := serve_experts_for_rank_0(args)) is not None:  # rank 0 alone reads the text
@@ -43,7 +42,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     model = load_with_progress(args, err)
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot score a text file.")
-    ctx_size = args.ctx_size or min(512, model.config.max_positions)
+    ctx_size = context_size(args, model)
     if args.stride is not None and args.stride > ctx_size:
         raise ValueError(f"--stride must be in [1, --ctx-size={ctx_size}], got {args.stride}.")
 

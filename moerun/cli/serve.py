@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 from moerun.cli.common import (
+    add_ctx_size_argument,
     add_model_arguments,
     check_model_arguments,
+    context_size,
     load_with_progress,
     serve_experts_for_rank_0,
 )
@@ -29,13 +31,7 @@ def add_parser(commands) -> None:
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /tokenize"
     )
-    serve.add_argument(
-        "-c",
-        "--ctx-size",
-        type=int,
-        default=4096,
-        help="positions per sequence, prompt included (capped at the model's)",
-    )
+    add_ctx_size_argument(serve, 4096)
     serve.add_argument(
         "--alias", default=None, help="the model's name in the API (default: the path's last part)"
     )
@@ -46,7 +42,6 @@ def run_serve(args: argparse.Namespace) -> int:
     for flag, value, low in (
         ("--parallel", args.parallel, 1),
         ("--queue-size", args.queue_size, 0),
-        ("--ctx-size", args.ctx_size, 1),
     ):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}.")
@@ -55,7 +50,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_model_arguments(args)
     if (status := serve_experts_for_rank_0(args)) is not None:  # rank 0 alone listens
         return status
-    from moerun.serve.server import _uvicorn, serve
+    from moerun.serve.server import ServeSettings, _uvicorn, serve
 
     _uvicorn()  # the extra is there before anything loads
     name = args.alias or Path(args.model.rstrip("/")).name
@@ -70,15 +65,12 @@ def run_serve(args: argparse.Namespace) -> int:
         f"moerun serve: loading {args.model}; http://{args.host}:{args.port} answers /health with 503 "
         "until it is ready"
     )
-    serve(
-        load,
-        name,
+    settings = ServeSettings(
         host=args.host,
         port=args.port,
         parallel=args.parallel,
         queue_size=args.queue_size,
         api_key=args.api_key,
-        ctx_size=args.ctx_size,
-        log=log,
     )
+    serve(load, lambda model: context_size(args, model), name, settings, log)
     return 0

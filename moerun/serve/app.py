@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from moerun.serve import protocol
 from moerun.serve.harmony import ChannelSplitter, harmony_markers
-from moerun.serve.protocol import APIError, Body, bad
+from moerun.serve.protocol import APIError, Body, Options, bad
 from moerun.serve.scheduler import Job, QueueFull, Scheduler
 
 MAX_BODY = 4 << 20  # bytes of a request body
@@ -30,11 +30,12 @@ POLL_S = 0.25  # how often a whole-response request checks that its client is st
 
 @dataclass
 class ServerState:
-    """What the routes share: the model and its scheduler once loaded (None while loading)."""
+    """What the routes share: the model, its positions per sequence and its scheduler once loaded
+    (None while loading)."""
 
     model_name: str
-    ctx_size: int | None = None
     api_key: str | None = None
+    context: int | None = None
     model: object | None = None
     scheduler: Scheduler | None = None
     load_error: str | None = None
@@ -46,27 +47,71 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def build_app(state: ServerState) -> Starlette:
-    async def read_body(request: HTTPRequest) -> Body:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY:
-            raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
-        chunks, total = [], 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > MAX_BODY:
-                raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
-            chunks.append(chunk)
-        try:
-            data = json.loads(b"".join(chunks))
-        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deep, too many digits
-            raise bad(f"The request body is not valid JSON: {str(e)[:120]}") from None
-        return Body(data)
+    """The Starlette application: each route a method of `Routes`, every error one JSON body."""
+    api = Routes(state)
+    routes = [
+        Route("/v1/chat/completions", guarded(api.chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded(api.text_completions), methods=["POST"]),
+        Route("/v1/models", guarded(api.models), methods=["GET"]),
+        Route("/health", guarded(api.health), methods=["GET"]),
+        Route("/metrics", guarded(api.metrics), methods=["GET"]),
+        Route("/tokenize", guarded(api.tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(api.detokenize), methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
 
-    def check_key(request: HTTPRequest) -> None:
-        if state.api_key is None:
+
+def guarded(handler):
+    """`handler` with its APIError as OpenAI's JSON, and a bug of ours as one 500 (the server stays up)."""
+
+    async def endpoint(request: HTTPRequest) -> Response:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return error_response(e)
+        except Exception as e:  # a bug of ours: one JSON error, the server stays up
+            return error_response(APIError(500, f"Internal error: {type(e).__name__}: {str(e)[:200]}"))
+
+    return endpoint
+
+
+async def not_found(request: HTTPRequest, exc: HTTPException) -> Response:
+    if exc.status_code == 405:
+        return error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}."))
+    return error_response(APIError(404, f"No route {request.method} {request.url.path}.", None, "not_found"))
+
+
+async def read_body(request: HTTPRequest) -> Body:
+    """The request's JSON body, refused past MAX_BODY bytes (413) or when it is not JSON (400)."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY:
+        raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY:
+            raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deep, too many digits
+        raise bad(f"The request body is not valid JSON: {str(e)[:120]}") from None
+    return Body(data)
+
+
+class Routes:
+    """The routes over one ServerState, a method each, and the checks they share: the API key, a
+    loaded model, the model's name."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    # --- the checks ---
+
+    def check_key(self, request: HTTPRequest) -> None:
+        if self.state.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {state.api_key}":
+        if request.headers.get("authorization", "") != f"Bearer {self.state.api_key}":
             raise APIError(
                 401,
                 "Missing or incorrect API key (send 'Authorization: Bearer KEY').",
@@ -74,7 +119,8 @@ def build_app(state: ServerState) -> Starlette:
                 "invalid_api_key",
             )
 
-    def ready() -> tuple[object, Scheduler]:
+    def ready(self) -> tuple[object, Scheduler]:
+        state = self.state
         if state.model is None or state.scheduler is None:
             message = (
                 f"The model failed to load: {state.load_error}"
@@ -84,53 +130,33 @@ def build_app(state: ServerState) -> Starlette:
             raise APIError(503, message, None, "model_not_ready")
         return state.model, state.scheduler
 
-    def check_model_name(body: Body) -> None:
-        name = body.text("model")
-        if name is not None and name != state.model_name:
+    def check_model_name(self, body: Body) -> None:
+        name, served = body.text("model"), self.state.model_name
+        if name is not None and name != served:
             raise APIError(
                 404,
-                f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
+                f"The model '{name}' does not exist; this server serves '{served}'.",
                 "model",
                 "model_not_found",
             )
 
-    def context_of(model) -> int:
-        longest = model.config.max_positions
-        return min(state.ctx_size or longest, longest)
-
-    def guarded(handler):
-        async def endpoint(request: HTTPRequest) -> Response:
-            try:
-                return await handler(request)
-            except APIError as e:
-                return error_response(e)
-            except Exception as e:  # a bug of ours: one JSON error, the server stays up
-                return error_response(APIError(500, f"Internal error: {type(e).__name__}: {str(e)[:200]}"))
-
-        return endpoint
-
     # --- completions ---
 
-    async def completions(request: HTTPRequest, chat: bool) -> Response:
-        check_key(request)
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        return await self.completions(request, chat=True)
+
+    async def text_completions(self, request: HTTPRequest) -> Response:
+        return await self.completions(request, chat=False)
+
+    async def completions(self, request: HTTPRequest, chat: bool) -> Response:
+        """A completion submitted to the scheduler, answered whole or streamed."""
+        self.check_key(request)
         body = await read_body(request)
-        model, scheduler = ready()
-        check_model_name(body)
-        context = context_of(model)
+        model, scheduler = self.ready()
+        self.check_model_name(body)
+        context = self.state.context
         kwargs, options = protocol.generation_options(body, chat, context)
-        if chat:
-            if model.tokenizer is None:
-                raise bad("This model has no tokenizer, so it cannot chat.", "messages")
-            messages = protocol.chat_messages(body)
-            try:
-                prompt = model.tokenizer.encode_chat(messages)
-            except ValueError as e:  # no template, or one that refuses these messages
-                raise bad(str(e)[:300], "messages") from None
-        else:
-            prompt = protocol.completion_prompt(body)
-            if isinstance(prompt, str) and model.tokenizer is None:
-                raise bad("This model has no tokenizer, so the prompt must be token ids.", "prompt")
-        job_request = protocol.make_request(model, prompt, kwargs, context)
+        job_request = protocol.make_request(model, _prompt(model, body, chat), kwargs, context)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -141,65 +167,28 @@ def build_app(state: ServerState) -> Starlette:
             job = scheduler.submit(job_request, sink)
         except QueueFull as e:
             raise APIError(503, f"The server is busy: {e} Retry later.", None, "queue_full") from None
-        kind = "chat.completion" if chat else "text_completion"
         response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         if options.stream:
             return StreamingResponse(
-                _stream(model, scheduler, job, events, chat, options, response_id),
+                self._stream(model, scheduler, job, events, chat, options, response_id),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         tokens, stats = await _collect(request, scheduler, job, events)
-        text = "".join(t.text for t in tokens)
-        finish = protocol.FINISH.get(stats["finish_reason"], "stop")
-        if chat:
-            message = {"role": "assistant", "content": text}
-            if markers := harmony_markers(model.tokenizer):  # gpt-oss: the reasoning apart
-                reasoning, message["content"] = ChannelSplitter(markers).push(tokens)
-                message["reasoning_content"] = reasoning or None
-            choice = {"index": 0, "message": message, "finish_reason": finish}
-            choice["logprobs"] = (
-                protocol.chat_logprobs(model.tokenizer, tokens, options.logprobs)
-                if options.want_logprobs
-                else None
-            )
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish}
-            choice["logprobs"] = (
-                protocol.completion_logprobs(model.tokenizer, tokens, options.logprobs)
-                if options.want_logprobs
-                else None
-            )
+        choice = _whole_choice(model.tokenizer, tokens, stats, chat, options)
+        kind = "chat.completion" if chat else "text_completion"
         return JSONResponse(
-            protocol.envelope(kind, response_id, state.model_name, [choice], usage=protocol.usage(stats))
+            protocol.envelope(kind, response_id, self.state.model_name, [choice], usage=protocol.usage(stats))
         )
 
-    async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events: asyncio.Queue):
-        tokens = []
-        try:
-            while True:
-                try:
-                    kind, payload = await asyncio.wait_for(events.get(), POLL_S)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        scheduler.cancel(job)
-                        raise APIError(499, "The client went away.") from None
-                    continue
-                if kind == "tokens":
-                    tokens += payload
-                elif kind == "done":
-                    return tokens, payload
-                else:
-                    raise APIError(500, str(payload))
-        except asyncio.CancelledError:
-            scheduler.cancel(job)
-            raise
-
-    async def _stream(model, scheduler, job, events, chat, options, response_id) -> AsyncIterator[str]:
+    async def _stream(self, model, scheduler, job, events, chat, options, response_id) -> AsyncIterator[str]:
+        """The job's events as server-sent events: a chunk per batch of tokens, the finish reason (and
+        usage when asked), then [DONE]; the job is cancelled if the client goes away first."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict, **extra) -> str:
-            data = protocol.envelope(kind, response_id, state.model_name, [choice] if choice else [], **extra)
+            choices = [choice] if choice else []
+            data = protocol.envelope(kind, response_id, self.state.model_name, choices, **extra)
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         offset = 0
@@ -207,40 +196,13 @@ def build_app(state: ServerState) -> Starlette:
         channels = ChannelSplitter(markers) if markers else None
         try:
             if chat:
-                yield chunk(
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
+                first = {"role": "assistant", "content": ""}
+                yield chunk({"index": 0, "delta": first, "logprobs": None, "finish_reason": None})
             while True:
                 event, payload = await events.get()
                 if event == "tokens":
-                    text = "".join(t.text for t in payload)
-                    if chat:
-                        logprobs = (
-                            protocol.chat_logprobs(model.tokenizer, payload, options.logprobs)
-                            if options.want_logprobs
-                            else None
-                        )
-                        delta = {"content": text}
-                        if channels is not None:  # gpt-oss: the reasoning apart
-                            reasoning, answer = channels.push(payload)
-                            delta = {"reasoning_content": reasoning} if reasoning else {}
-                            if answer or not reasoning:
-                                delta["content"] = answer
-                        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-                    else:
-                        logprobs = (
-                            protocol.completion_logprobs(model.tokenizer, payload, options.logprobs, offset)
-                            if options.want_logprobs
-                            else None
-                        )
-                        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
-                    offset += len(text)
-                    yield chunk(choice)
+                    yield chunk(_token_choice(model.tokenizer, payload, chat, options, channels, offset))
+                    offset += sum(len(t.text) for t in payload)
                 elif event == "done":
                     finish = protocol.FINISH.get(payload["finish_reason"], "stop")
                     last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
@@ -258,8 +220,9 @@ def build_app(state: ServerState) -> Starlette:
 
     # --- the rest ---
 
-    async def models(request: HTTPRequest) -> Response:
-        check_key(request)
+    async def models(self, request: HTTPRequest) -> Response:
+        self.check_key(request)
+        state = self.state
         card = {
             "id": state.model_name,
             "object": "model",
@@ -267,32 +230,35 @@ def build_app(state: ServerState) -> Starlette:
             "owned_by": "moerun",
         }
         if state.model is not None:
-            card["max_model_len"] = context_of(state.model)
+            card["max_model_len"] = state.context
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def health(request: HTTPRequest) -> Response:
-        ready()
+    async def health(self, request: HTTPRequest) -> Response:
+        self.ready()
         return JSONResponse({"status": "ok"})
 
-    async def text_request(request: HTTPRequest) -> tuple[Body, object]:
+    async def metrics(self, request: HTTPRequest) -> Response:
+        return PlainTextResponse(_metrics(self.state), media_type="text/plain; version=0.0.4")
+
+    async def _text_request(self, request: HTTPRequest) -> tuple[Body, object]:
         """/tokenize and /detokenize: the key, the body, a loaded model with a tokenizer."""
-        check_key(request)
+        self.check_key(request)
         body = await read_body(request)
-        model, _ = ready()
+        model, _ = self.ready()
         if model.tokenizer is None:
             raise bad("This model has no tokenizer.")
         return body, model
 
-    async def tokenize(request: HTTPRequest) -> Response:
-        body, model = await text_request(request)
+    async def tokenize(self, request: HTTPRequest) -> Response:
+        body, model = await self._text_request(request)
         text = body.text("content") if body.has("content") else body.text("prompt")
         if text is None:
             raise bad("Give the text as 'content' (or 'prompt').", "content")
         ids = model.tokenizer.encode(text, add_special_tokens=body.flag("add_special", True))
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": context_of(model)})
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.state.context})
 
-    async def detokenize(request: HTTPRequest) -> Response:
-        body, model = await text_request(request)
+    async def detokenize(self, request: HTTPRequest) -> Response:
+        body, model = await self._text_request(request)
         ids = body.data.get("tokens")
         vocab = model.config.vocab_size
         if not isinstance(ids, list) or not all(
@@ -301,32 +267,84 @@ def build_app(state: ServerState) -> Starlette:
             raise bad(f"'tokens' must be a list of token ids in [0, {vocab}).", "tokens")
         return JSONResponse({"content": model.tokenizer.decode(ids)})
 
-    async def metrics(request: HTTPRequest) -> Response:
-        return PlainTextResponse(_metrics(state), media_type="text/plain; version=0.0.4")
 
-    async def chat_route(request):
-        return await completions(request, chat=True)
+def _prompt(model, body: Body, chat: bool) -> str | list[int]:
+    """A chat's messages in the model's template (its ids), or a completion's prompt (text or ids)."""
+    if chat:
+        if model.tokenizer is None:
+            raise bad("This model has no tokenizer, so it cannot chat.", "messages")
+        messages = protocol.chat_messages(body)
+        try:
+            return model.tokenizer.encode_chat(messages)
+        except ValueError as e:  # no template, or one that refuses these messages
+            raise bad(str(e)[:300], "messages") from None
+    prompt = protocol.completion_prompt(body)
+    if isinstance(prompt, str) and model.tokenizer is None:
+        raise bad("This model has no tokenizer, so the prompt must be token ids.", "prompt")
+    return prompt
 
-    async def completion_route(request):
-        return await completions(request, chat=False)
 
-    async def not_found(request: HTTPRequest, exc: HTTPException) -> Response:
-        if exc.status_code == 405:
-            return error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}."))
-        return error_response(
-            APIError(404, f"No route {request.method} {request.url.path}.", None, "not_found")
+async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events: asyncio.Queue):
+    """A whole response's (tokens, stats); the job is cancelled if the client goes away (a 499)."""
+    tokens = []
+    try:
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(events.get(), POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    scheduler.cancel(job)
+                    raise APIError(499, "The client went away.") from None
+                continue
+            if kind == "tokens":
+                tokens += payload
+            elif kind == "done":
+                return tokens, payload
+            else:
+                raise APIError(500, str(payload))
+    except asyncio.CancelledError:
+        scheduler.cancel(job)
+        raise
+
+
+def _whole_choice(tokenizer, tokens: list, stats: dict, chat: bool, options: Options) -> dict:
+    """A whole response's one choice: the message (gpt-oss: its reasoning apart) or the text."""
+    text = "".join(t.text for t in tokens)
+    finish = protocol.FINISH.get(stats["finish_reason"], "stop")
+    if not chat:
+        logprobs = (
+            protocol.completion_logprobs(tokenizer, tokens, options.logprobs)
+            if options.want_logprobs
+            else None
         )
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+    message = {"role": "assistant", "content": text}
+    if markers := harmony_markers(tokenizer):  # gpt-oss: the reasoning apart
+        reasoning, message["content"] = ChannelSplitter(markers).push(tokens)
+        message["reasoning_content"] = reasoning or None
+    logprobs = protocol.chat_logprobs(tokenizer, tokens, options.logprobs) if options.want_logprobs else None
+    return {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
-    routes = [
-        Route("/v1/chat/completions", guarded(chat_route), methods=["POST"]),
-        Route("/v1/completions", guarded(completion_route), methods=["POST"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/health", guarded(health), methods=["GET"]),
-        Route("/metrics", guarded(metrics), methods=["GET"]),
-        Route("/tokenize", guarded(tokenize), methods=["POST"]),
-        Route("/detokenize", guarded(detokenize), methods=["POST"]),
-    ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+
+def _token_choice(tokenizer, tokens: list, chat: bool, options: Options, channels, offset: int) -> dict:
+    """A streamed chunk's choice for a batch of new tokens: a delta (gpt-oss: the reasoning apart,
+    through `channels`) or text; `offset`: the characters streamed before them."""
+    text = "".join(t.text for t in tokens)
+    if not chat:
+        logprobs = (
+            protocol.completion_logprobs(tokenizer, tokens, options.logprobs, offset)
+            if options.want_logprobs
+            else None
+        )
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
+    logprobs = protocol.chat_logprobs(tokenizer, tokens, options.logprobs) if options.want_logprobs else None
+    delta = {"content": text}
+    if channels is not None:  # gpt-oss: the reasoning apart
+        reasoning, answer = channels.push(tokens)
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        if answer or not reasoning:
+            delta["content"] = answer
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
 
 def _metrics(state: ServerState) -> str:

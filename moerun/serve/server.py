@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from moerun.serve.app import ServerState, build_app
 from moerun.serve.scheduler import Scheduler
@@ -22,21 +23,32 @@ def _uvicorn():
     return uvicorn
 
 
+@dataclass(frozen=True)
+class ServeSettings:
+    """How `serve` runs: where it listens, the sequences decoded together (`parallel`) and those that
+    may wait for a slot (`queue_size`), and the API key asked of clients (None: none)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    parallel: int = 4
+    queue_size: int = 64
+    api_key: str | None = None
+
+
 def serve(
     load: Callable[[], object],
+    context: Callable[[object], int],
     model_name: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    parallel: int = 4,
-    queue_size: int = 64,
-    api_key: str | None = None,
-    ctx_size: int | None = None,
+    settings: ServeSettings,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Serve until interrupted; `load()` builds the model (in a thread, so the server answers /health
-    with 503 meanwhile)."""
+    """Serve until interrupted. `load()` builds the model in a thread, so the server answers /health
+    with 503 meanwhile (and says why on every request if it fails); `context(model)` gives the
+    positions per sequence, or a ValueError that refuses the model: the server stops and it is
+    raised here."""
     uvicorn = _uvicorn()
-    state = ServerState(model_name, ctx_size=ctx_size, api_key=api_key)
+    state = ServerState(model_name, api_key=settings.api_key)
+    refused: list[ValueError] = []
 
     def load_in_background() -> None:
         try:
@@ -45,22 +57,32 @@ def serve(
             state.load_error = str(e)
             log(f"moerun serve: {e}")
             return
-        state.scheduler = Scheduler(model, parallel=parallel, queue_size=queue_size)
+        try:
+            state.context = context(model)
+        except ValueError as e:  # settings the model cannot run: no server at all
+            refused.append(e)
+            server.should_exit = True
+            return
+        state.scheduler = Scheduler(model, parallel=settings.parallel, queue_size=settings.queue_size)
         state.model = model
         ep = getattr(model, "expert_parallel", None)
         where = f"; expert parallel, {ep.placement(model.config.moe.num_experts)}" if ep is not None else ""
         log(
-            f"moerun serve: {model_name} ready on http://{host}:{port}/v1 ({parallel} sequences at once"
-            f"{where})"
+            f"moerun serve: {model_name} ready on http://{settings.host}:{settings.port}/v1 "
+            f"({settings.parallel} sequences at once{where})"
         )
 
+    app = build_app(state)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
     threading.Thread(target=load_in_background, name="moerun-load", daemon=True).start()
-    config = uvicorn.Config(build_app(state), host=host, port=port, log_level="warning", lifespan="off")
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         if state.scheduler is not None:
             state.scheduler.close()
+    if refused:
+        raise refused[0]
 
 
 class RunningServer:
@@ -86,9 +108,15 @@ def start(
     api_key: str | None = None,
     ctx_size: int | None = None,
 ) -> RunningServer:
-    """Serve `model` on a free loopback port in a daemon thread; returns once it accepts connections."""
+    """Serve `model` on a free loopback port in a daemon thread; returns once it accepts connections.
+    `ctx_size`: positions per sequence (None: the model's context; more is refused)."""
     uvicorn = _uvicorn()
-    state = ServerState(model_name, ctx_size=ctx_size, api_key=api_key)
+    longest = model.config.max_positions
+    if ctx_size is not None and not 1 <= ctx_size <= longest:
+        raise ValueError(
+            f"ctx_size must be between 1 and this model's context of {longest} positions, got {ctx_size}."
+        )
+    state = ServerState(model_name, api_key=api_key, context=ctx_size or longest)
     state.scheduler = Scheduler(model, parallel=parallel, queue_size=queue_size)
     state.model = model
     config = uvicorn.Config(build_app(state), host="127.0.0.1", port=0, log_level="warning", lifespan="off")

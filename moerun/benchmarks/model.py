@@ -6,11 +6,11 @@ call. transformers is needed for the peer and for building the weights (the `ben
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 
 import torch
 
-from moerun.bench.layer import copy_bandwidth, timed
+from moerun.benchmarks import BenchSettings
+from moerun.benchmarks.layer import copy_bandwidth, timed
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.families import family
 from moerun.model import MoEModel
@@ -97,20 +97,13 @@ def build_pair(
     return peer, MoEModel(model_config, tensors, RunSpec.make(device, dtype, backend))
 
 
-def logged_pair(
-    layers: int,
-    dtype: str,
-    shape: dict | None,
-    device: str | None,
-    backend: str,
-    log: Callable[[str], None],
-    generated: str = "olmoe",
-):
+def logged_pair(layers: int, settings: BenchSettings, shape: dict | None, generated: str = "olmoe"):
     """build_pair for a benchmark: the device (default cuda when there is one) and backend resolved,
-    what is built said through `log` -> (transformers model, MoEModel, device, backend)."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = resolve_backend(backend, torch.device(device))
-    log(
+    what is built said through the settings' `log` -> (transformers model, MoEModel, device, backend)."""
+    dtype = settings.dtype
+    device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = resolve_backend(settings.backend, torch.device(device))
+    settings.log(
         f"building a random {layers}-layer {generated}-shaped model in {dtype} on {device} "
         f"({backend} backend; moerun and transformers share it)"
     )
@@ -140,21 +133,17 @@ def generated_run(
 
 
 def run_model_bench(
+    settings: BenchSettings,
     layers: int = 4,
-    dtype: str = "bf16",
     prompt_tokens: int = 512,
-    decode_steps: int = 16,
-    repeats: int = 3,
     shape: dict | None = None,
-    device: str | None = None,
-    backend: str = "auto",
-    log: Callable[[str], None] = lambda s: None,
     generated: str = "olmoe",
 ) -> dict:
     from transformers import DynamicCache
 
+    dtype, decode_steps, repeats, log = settings.dtype, settings.decode_steps, settings.repeats, settings.log
     torch_dtype = COMPUTE_DTYPES[dtype]
-    peer, ours, device, backend = logged_pair(layers, dtype, shape, device, backend, log, generated)
+    peer, ours, device, backend = logged_pair(layers, settings, shape, generated)
     vocab = peer.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (1, prompt_tokens), generator=gen).to(device)

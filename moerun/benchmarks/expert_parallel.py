@@ -1,5 +1,5 @@
 """`torchrun --nproc-per-node W -m moerun bench --model --expert-parallel`: the generated
-OLMoE-shaped model (moerun.bench.model's weights, the same seed on every rank) run expert-parallel
+OLMoE-shaped model (moerun.benchmarks.model's weights, the same seed on every rank) run expert-parallel
 over the W processes (rank 0 runs it, the others serve their experts), against one process in the
 same run (rank 0 alone, the others waiting): prefill and decode tok/s with each collective bringing
 the rows back (all-to-all and reduce, alternated round by round), and per step on rank 0 the bytes
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
-from moerun.bench.model import GENERATED, build_pair
+from moerun.benchmarks import BenchSettings
+from moerun.benchmarks.model import GENERATED, build_pair
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.distributed import ExpertParallel
 from moerun.distributed.expert_parallel import COLLECTIVES, StepFigures
@@ -89,17 +89,12 @@ def _parallel_timings(
 
 
 def run_expert_parallel_bench(
-    layers: int = 2,
-    dtype: str = "bf16",
-    prompt_tokens: int = 128,
-    decode_steps: int = 16,
-    repeats: int = 3,
-    shape: dict | None = None,
-    backend: str = "auto",
-    log: Callable[[str], None] = lambda s: None,
+    settings: BenchSettings, layers: int = 2, prompt_tokens: int = 128, shape: dict | None = None
 ) -> dict:
+    """On the CPU, whatever `settings.device` says (the ranks exchange over gloo)."""
+    dtype, decode_steps, repeats, log = settings.dtype, settings.decode_steps, settings.repeats, settings.log
     ep = ExpertParallel.from_env()
-    backend = resolve_backend(backend, torch.device("cpu"))
+    backend = resolve_backend(settings.backend, torch.device("cpu"))
     log(f"rank {ep.rank}/{ep.world}: building the {layers}-layer OLMoE-shaped model in {dtype}")
     peer, alone = build_pair(layers, COMPUTE_DTYPES[dtype], shape, "cpu", backend)
     state = peer.state_dict()

@@ -1,5 +1,5 @@
 """`moerun bench --serve`: the HTTP server under concurrent streams, on the generated OLMoE-shaped
-model (moerun.bench.model's weights; prompts as token ids). For each number of concurrent clients C,
+model (moerun.benchmarks.model's weights; prompts as token ids). For each number of concurrent clients C,
 C threads of a client process (apart from the server's, as real clients are) each stream
 `requests_per_client` completions (`stream: true`, greedy, `new_tokens` each) from a server with
 `--parallel` = max(C); measured: aggregate tok/s (every client's tokens over the phase's wall time),
@@ -14,11 +14,12 @@ import multiprocessing
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from moerun.bench.model import generated_run, logged_pair
+from moerun.benchmarks import BenchSettings
+from moerun.benchmarks.model import generated_run, logged_pair
 
 
 def _stream_one(http, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
@@ -72,22 +73,21 @@ def _clients(url: str, prompts, c: int, requests_per_client: int, new_tokens: in
 
 
 def run_serve_bench(
+    settings: BenchSettings,
     layers: int = 2,
-    dtype: str = "bf16",
     clients: Sequence[int] = (1, 4, 8),
     prompt_tokens: int = 32,
-    new_tokens: int = 32,
     requests_per_client: int = 2,
     shape: dict | None = None,
-    device: str | None = None,
-    backend: str = "auto",
-    log: Callable[[str], None] = lambda s: None,
 ) -> dict:
+    """Each number of clients: `requests_per_client` streamed requests of `settings.decode_steps`
+    new tokens each."""
     import httpx
 
     from moerun.serve.server import start
 
-    peer, model, device, backend = logged_pair(layers, dtype, shape, device, backend, log)
+    dtype, new_tokens, log = settings.dtype, settings.decode_steps, settings.log
+    peer, model, device, backend = logged_pair(layers, settings, shape)
     vocab = peer.config.vocab_size
     del peer
     model.warm_up()

@@ -1,5 +1,5 @@
 """`moerun bench --model --batch 1,4,8`: batched generation on the generated OLMoE-shaped model
-(moerun.bench.model's weights, shared with transformers' model): B prompts of the same length, each
+(moerun.benchmarks.model's weights, shared with transformers' model): B prompts of the same length, each
 B timed as moerun's batch (`model.generate([...])`, one forward pass per step) and transformers'
 batched `generate` on the same tensors, interleaved. Aggregate tok/s (B x new tokens over the
 whole call, prefill included), moerun's decode-only aggregate (its steps after every prompt is
@@ -9,26 +9,24 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from moerun.bench.model import generated_run, logged_pair
+from moerun.benchmarks import BenchSettings
+from moerun.benchmarks.model import generated_run, logged_pair
 
 
 def run_batch_bench(
+    settings: BenchSettings,
     layers: int = 2,
-    dtype: str = "bf16",
     sizes: Sequence[int] = (1, 4, 8),
     prompt_tokens: int = 32,
-    new_tokens: int = 16,
-    repeats: int = 3,
     shape: dict | None = None,
-    device: str | None = None,
-    backend: str = "auto",
-    log: Callable[[str], None] = lambda s: None,
 ) -> dict:
-    peer, ours, device, backend = logged_pair(layers, dtype, shape, device, backend, log)
+    """Each batch size: `settings.decode_steps` new tokens per prompt, moerun and transformers."""
+    dtype, new_tokens, repeats, log = settings.dtype, settings.decode_steps, settings.repeats, settings.log
+    peer, ours, device, backend = logged_pair(layers, settings, shape)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, peer.config.vocab_size, (max(sizes), prompt_tokens), generator=gen)
     ours.warm_up()

@@ -29,9 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerun.bench.layer import copy_bandwidth
-from moerun.bench.model import OLMOE as OLMOE_SHAPES
-from moerun.bench.pagecache import cached_fraction, drop_page_cache
+from moerun.benchmarks import BenchSettings
+from moerun.benchmarks.layer import copy_bandwidth
+from moerun.benchmarks.model import OLMOE as OLMOE_SHAPES
+from moerun.benchmarks.pagecache import cached_fraction, drop_page_cache
 from moerun.checkpoint.load import load
 from moerun.model import MoEModel
 from moerun.offload import minimum_bytes
@@ -203,17 +204,16 @@ def _figures(
 
 
 def run_offload_bench(
+    settings: BenchSettings,
     layers: int = 2,
-    dtype: str = "bf16",
     prompt_tokens: int = 64,
-    decode_steps: int = 32,
     warmup_steps: int = 4,
     shape: dict | None = None,
     directory: str | os.PathLike | None = None,
     predictable: bool = False,
-    log: Callable[[str], None] = lambda s: None,
 ) -> dict:
-    """Write the checkpoint (into `directory`, else a temporary one removed after) and measure.
+    """Write the checkpoint (into `directory`, else a temporary one removed after) and measure, on
+    the CPU (of `settings`: the dtype, the decode steps, `log`).
     `predictable`: the checkpoint's routing is predictable by construction (see write_checkpoint),
     to measure what prefetch gains when its predictions are right."""
     with contextlib.ExitStack() as stack:
@@ -221,15 +221,7 @@ def run_offload_bench(
             directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="moerun-bench-offload-"))
         with torch.inference_mode():
             return _measure(
-                Path(directory),
-                layers,
-                dtype,
-                prompt_tokens,
-                decode_steps,
-                warmup_steps,
-                shape,
-                predictable,
-                log,
+                Path(directory), layers, settings, prompt_tokens, warmup_steps, shape, predictable
             )
 
 
@@ -260,7 +252,8 @@ class _Run:
         return race(models, self.prompt, self.tokens, self.warmup_steps, before_step=before)
 
 
-def _measure(root, layers, dtype, prompt_tokens, decode_steps, warmup_steps, shape, predictable, log) -> dict:
+def _measure(root, layers, settings, prompt_tokens, warmup_steps, shape, predictable) -> dict:
+    dtype, decode_steps, log = settings.dtype, settings.decode_steps, settings.log
     torch_dtype = COMPUTE_DTYPES[dtype]
     kind = "predictable-routing" if predictable else "random"
     log(f"writing a {kind} {layers}-layer OLMoE-shaped checkpoint in {dtype} to {root}")

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moerun.bench.peers import peer_block, run_peer, transformers_available
+from moerun.benchmarks import BenchSettings
+from moerun.benchmarks.peers import peer_block, run_peer, transformers_available
 from moerun.families import family
 from moerun.families.moe_block import export
 from moerun.moe.backends import resolve_backend
@@ -157,29 +158,29 @@ def _measure(
     return {name: (statistics.median(prefill[name]), statistics.median(decode[name])) for name in contenders}
 
 
+# `moerun bench`'s layer mode times each contender this many times (--repeats is for --model)
+REPEATS = 5
+
+
 def run_bench(
+    settings: BenchSettings,
     shape_name: str = "olmoe",
-    dtype: str = "bf16",
-    device: str | None = None,
     prefill_tokens: int = 512,
-    decode_steps: int = 32,
-    repeats: int = 5,
     peer: bool = True,
     peer_impl: str = "grouped_mm",
     shape: BenchShape | None = None,
     formats: dict[str, str] | None = None,
     dequant_cache_gb: float = 0.0,
-    backend: str = "auto",
-    log: Callable[[str], None] = lambda s: None,
 ) -> dict:
     """Run the benchmark and return its figures (see the module docstring).
 
     `formats` ({"gate_up": fmt, "down": fmt}) quantises the expert projections; the peer is then the
     same layer dense in `dtype`, and the decode figure counts the quantised bytes read."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, decode_steps, repeats, log = settings.dtype, settings.decode_steps, settings.repeats, settings.log
+    device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = shape or SHAPES[shape_name]
     torch_dtype = COMPUTE_DTYPES[dtype]
-    backend = resolve_backend(backend, torch.device(device))
+    backend = resolve_backend(settings.backend, torch.device(device))
     log(f"building a random {shape_name} layer ({dtype}, {device}, {backend} backend)")
     layer = random_layer(shape, torch_dtype, device, backend=backend)
     spec = layer.spec

@@ -7,7 +7,7 @@ step and the total. moerun picks the greedy tokens; the peer is fed the same one
 the same positions and their logits are compared there. Prefill: a `prefill_tokens`-token prompt
 into an empty cache, logits of its last position only (what generation needs, and all llama.cpp
 computes). The contenders take turns repetition by repetition (A B A B), so drift in a shared
-machine's speed hits them alike. Bytes per token: `moerun.bench.weight_bytes`; the roofline: a copy
+machine's speed hits them alike. Bytes per token: `moerun.benchmarks.weight_bytes`; the roofline: a copy
 bandwidth measured in the same run.
 """
 
@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from moerun.bench.layer import copy_bandwidth
-from moerun.bench.weight_bytes import gguf_decode_bytes, model_decode_bytes
+from moerun.benchmarks import BenchSettings
+from moerun.benchmarks.layer import copy_bandwidth
+from moerun.benchmarks.weight_bytes import gguf_decode_bytes, model_decode_bytes
 from moerun.checkpoint.load import load
 from moerun.model import MoEModel
 from moerun.moe.backends import resolve_backend
@@ -81,22 +81,20 @@ def greedy_tokens(contender, prompt: list[int], steps: int) -> list[int]:
 
 
 def run_checkpoint_bench(
+    settings: BenchSettings,
     path: str | Path,
-    dtype: str = "bf16",
     prefill_tokens: int = 256,
-    decode_steps: int = 32,
-    repeats: int = 3,
     peer: str | None = None,
-    device: str = "cpu",
-    backend: str = "auto",
-    log: Callable[[str], None] = lambda s: None,
     expert_parallel: bool = False,
 ) -> dict | None:
-    """Load `path` and measure it (see the module docstring); `peer`: "llama.cpp" or None.
-    `expert_parallel` (under torchrun): rank 0 measures the model with its experts spread over the
-    ranks (the peer runs on rank 0 alone) and returns the figures; the other ranks serve their
-    experts until it is done and return None."""
-    from moerun.bench.llama_cpp import NAME, LlamaCppPeer, PeerError, check_peer
+    """Load `path` and measure it (see the module docstring; the device: cpu unless `settings` name
+    one); `peer`: "llama.cpp" or None. `expert_parallel` (under torchrun): rank 0 measures the model
+    with its experts spread over the ranks (the peer runs on rank 0 alone) and returns the figures;
+    the other ranks serve their experts until it is done and return None."""
+    from moerun.benchmarks.llama_cpp import NAME, LlamaCppPeer, PeerError, check_peer
+
+    dtype, device, backend, log = settings.dtype, settings.device or "cpu", settings.backend, settings.log
+    decode_steps, repeats = settings.decode_steps, settings.repeats
 
     if peer is not None:
         if peer != NAME:

@@ -303,15 +303,8 @@ def test_decode_step_float(gate_up_fmt, down_fmt, act, with_bias, k, tol):
     assert torch.equal(out, decode.decode_step(*step, config={"gate_up": SMALL, "down": SMALL}))
 
 
-@pytest.fixture
-def plain_matvec(monkeypatch):
-    """The torch backend's quantised matvec through dequantised tiles and torch.mv: its fused CPU
-    kernels compute the same products but compile per shape, seconds each under test."""
-    monkeypatch.setattr("moerun.moe.experts.has_fused_matvec", lambda fmt: False)
-
-
 @pytest.mark.parametrize("gate_up_fmt,down_fmt,act", [("q4_k", "q6_k", "silu"), ("q6_k", "q8_0", "gpt_oss")])
-def test_decode_step_q8_1(gate_up_fmt, down_fmt, act, plain_matvec):
+def test_decode_step_q8_1(gate_up_fmt, down_fmt, act):
     step, ref = _step_case(gate_up_fmt, down_fmt, act, True, 2)
     out = decode.decode_step(*step, use_q8_1=True)
     # the integer chain against its references: q8_1 rounding of x and a is the same bar ties
@@ -320,6 +313,6 @@ def test_decode_step_q8_1(gate_up_fmt, down_fmt, act, plain_matvec):
     assert rel_err(out, combine_token(token_rows(*ref))) < 2e-2
 
 
-def test_decode_step_quantised_float_path(plain_matvec):
+def test_decode_step_quantised_float_path():
     step, ref = _step_case("q4_k", "q6_k", "silu", True, 2)
     assert rel_err(decode.decode_step(*step), combine_token(token_rows(*ref))) < 1e-5

@@ -408,7 +408,7 @@ class MoEModel:
         elif isinstance(self.embed, QTensor):
             data = self.embed.data[ids.reshape(-1)]  # [B*T, row_bytes]
             # a few rows: the torch dequantiser (numba would compile, costing more than it saves)
-            rows = dequantize_bytes(self.embed.format, data, self.dtype, numba=False).view(*ids.shape, -1)
+            rows = dequantize_bytes(self.embed.format, data, self.dtype).view(*ids.shape, -1)
         else:
             rows = F.embedding(ids, self.embed)
         m = self.config.embedding_multiplier

@@ -59,7 +59,7 @@ MEMORY_LIMIT = 4 << 30  # bytes a case may map beyond the worker's own size
 TIMEOUT_S = 20.0
 TOKENS = 4
 STREAM_GB = 0.01  # the expert cache of a streamed case: a few of the seeds' experts per layer
-SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # ---------------------------------------------------------------------------------------------
 # Seeds

@@ -206,7 +206,7 @@ def _quantize_q8_1(m, dtype):
     return m.decode_q8_1._quantize_q8_1_kernel, {"x_ptr": dtype}, constexprs, cfg
 
 
-@builds("decode_q8_1._experts_gemv_q8_1_kernel")
+@builds("decode_q8_1.experts_gemv_q8_1_kernel")
 def _decode_gemv_q8_1(m, fmt, role, dtype, bias=True):
     q = m.decode_q8_1
     cfg = q.GEMV_Q8_1_CONFIG
@@ -215,7 +215,7 @@ def _decode_gemv_q8_1(m, fmt, role, dtype, bias=True):
         FMT=code, GROUP_BYTES=q.Q8_1_GROUP_BYTES[code], HAS_BIAS=bias, SCALE_BIAS=role == "down",
         BLOCK_N=cfg["BLOCK_N"],
     )  # fmt: skip
-    return q._experts_gemv_q8_1_kernel, {"w_ptr": "u8", "bias_ptr": dtype}, constexprs, cfg
+    return q.experts_gemv_q8_1_kernel, {"w_ptr": "u8", "bias_ptr": dtype}, constexprs, cfg
 
 
 def _case(path: str, **params):
@@ -246,7 +246,7 @@ FAST = [
     *[_case("decode_q8_1._quantize_q8_1_kernel", dtype=d) for d in DTYPES],
     *[
         _case(
-            "decode_q8_1._experts_gemv_q8_1_kernel",
+            "decode_q8_1.experts_gemv_q8_1_kernel",
             fmt=f,
             role=("gate_up", "down")[i % 2],
             dtype=_ROTATE[i % 2],
@@ -268,7 +268,7 @@ FULL = [
         for f in FORMATS for r in ("gate_up", "down") for d in DTYPES for b in (True, False)
     ],
     *[
-        _case("decode_q8_1._experts_gemv_q8_1_kernel", fmt=f, role=r, dtype=d, bias=b)
+        _case("decode_q8_1.experts_gemv_q8_1_kernel", fmt=f, role=r, dtype=d, bias=b)
         for f in Q8_1_FORMATS for r in ("gate_up", "down") for d in DTYPES for b in (True, False)
     ],
 ]  # fmt: skip

@@ -27,7 +27,7 @@ from moerun.moe.experts import ExpertWeights  # noqa: E402
 from moerun.moe.plan import build_token_plan  # noqa: E402
 from moerun.quant import dequant  # noqa: E402
 from moerun.quant.formats import QTensor, get_format  # noqa: E402
-from moerun.quant.q8_1 import quantize_q8_1  # noqa: E402
+from moerun.quant.q8_1 import Q8_1, quantize_q8_1  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E, S = 5, 7  # experts, weight slots
@@ -36,6 +36,7 @@ H, I = 97, 45  # float path: odd sizes
 SMALL = {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4}  # several K steps at these sizes
 ACTS = {"silu": GLU("silu"), "gpt_oss": GptOssSwiGLU(alpha=1.702, limit=7.0)}
 Q8_1_FORMATS = ["q8_0", "q4_0", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+Q8_1_ROWS = decode.ActivationFormat.Q8_1
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -144,9 +145,9 @@ def test_activate_weighted_q8_1(act):
     weights = torch.rand(3, generator=_gen(9)).to(DEVICE)
     config = {"BLOCK_I": 64}  # the second program's second block lies past I
     a = decode.activate_weighted(h, weights, ACTS[act], config=config)
-    aq = decode.activate_weighted(h, weights, ACTS[act], q8_1=True, config=config)
+    aq = decode.activate_weighted(h, weights, ACTS[act], Q8_1_ROWS, config=config)
     _assert_q8_1_equal(aq, quantize_q8_1(a))  # bit-exact ggml quantisation of the kernel's own a
-    ref = decode.activate_weighted_reference(h, weights, ACTS[act], q8_1=True)
+    ref = decode.activate_weighted_reference(h, weights, ACTS[act], Q8_1_ROWS)
     # the reference's a differs in ulps, which can move a quant across a rounding tie
     assert (aq.qs.int() - ref.qs.int()).abs().max() <= 1
     torch.testing.assert_close(aq.d, ref.d, rtol=1e-3, atol=0)
@@ -233,10 +234,19 @@ def test_gate_up_experts_q8_1(fmt, k, with_bias):
     xq = quantize_q8_1(torch.randn(hidden, generator=_gen(12)).to(DEVICE))
     experts, slots, _ = _table(k)
     bias = _bias(n, with_bias)
-    h = decode_q8_1.gate_up_experts_q8_1(xq, slots, experts, w, bias)
-    expected = decode_q8_1.gate_up_experts_q8_1_reference(xq, slots, experts, w, bias)
+    h = decode.gate_up_experts(xq, slots, experts, w, bias)
+    expected = decode.gate_up_experts_reference(xq, slots, experts, w, bias)
     for i, slot in enumerate(slots.tolist()):
         _check_dot(h[i], expected[i], fmt, q.data[slot], xq)
+
+
+def test_q8_1_rows_need_a_format_with_an_integer_kernel():
+    w = _float_weight("f32", 8, 32)
+    assert decode.ActivationFormat.for_weight(w, int8=True) is decode.ActivationFormat.FLOAT
+    assert decode.ActivationFormat.for_weight(kernel_weight(_random_blocks("q4_0", 8, 32)), True) is Q8_1_ROWS
+    experts, slots, _ = _table(1)
+    with pytest.raises(ValueError, match="no q8_1 kernel for f32 weights"):
+        decode.gate_up_experts(quantize_q8_1(torch.randn(32).to(DEVICE)), slots, experts, w, None)
 
 
 @pytest.mark.parametrize("fmt", Q8_1_FORMATS)
@@ -247,10 +257,10 @@ def test_down_experts_q8_1(fmt):
     aq = quantize_q8_1(torch.randn(k, inter, generator=_gen(13)).to(DEVICE))
     experts, slots, weights = _table(k, seed=2)
     bias = _bias(n, True)
-    y = decode_q8_1.down_experts_q8_1(aq, slots, experts, w, bias, weights, {"BLOCK_N": 8})
-    expected = decode_q8_1.down_experts_q8_1_reference(aq, slots, experts, w, bias, weights)
+    y = decode.down_experts(aq, slots, experts, w, bias, weights, {"BLOCK_N": 8})
+    expected = decode.down_experts_reference(aq, slots, experts, w, bias, weights)
     for i, slot in enumerate(slots.tolist()):
-        row = decode_q8_1.Q8_1(aq.qs[i], aq.d[i], aq.s[i])
+        row = Q8_1(aq.qs[i], aq.d[i], aq.s[i])
         _check_dot(y[i], expected[i], fmt, q.data[slot], row)
 
 
@@ -303,15 +313,11 @@ def test_decode_step_float(gate_up_fmt, down_fmt, act, with_bias, k, tol):
     assert torch.equal(out, decode.decode_step(*step, config={"gate_up": SMALL, "down": SMALL}))
 
 
-@pytest.fixture
-def plain_matvec(monkeypatch):
-    """The torch backend's quantised matvec through dequantised tiles and torch.mv: its fused CPU
-    kernels compute the same products but compile per shape, seconds each under test."""
-    monkeypatch.setattr("moerun.moe.experts.has_fused_matvec", lambda fmt: False)
-
-
-@pytest.mark.parametrize("gate_up_fmt,down_fmt,act", [("q4_k", "q6_k", "silu"), ("q6_k", "q8_0", "gpt_oss")])
-def test_decode_step_q8_1(gate_up_fmt, down_fmt, act, plain_matvec):
+@pytest.mark.parametrize(
+    "gate_up_fmt,down_fmt,act",
+    [("q4_k", "q6_k", "silu"), ("q6_k", "q8_0", "gpt_oss"), ("q8_0", "f32", "silu")],  # f32: float a
+)
+def test_decode_step_q8_1(gate_up_fmt, down_fmt, act):
     step, ref = _step_case(gate_up_fmt, down_fmt, act, True, 2)
     out = decode.decode_step(*step, use_q8_1=True)
     # the integer chain against its references: q8_1 rounding of x and a is the same bar ties
@@ -320,6 +326,6 @@ def test_decode_step_q8_1(gate_up_fmt, down_fmt, act, plain_matvec):
     assert rel_err(out, combine_token(token_rows(*ref))) < 2e-2
 
 
-def test_decode_step_quantised_float_path(plain_matvec):
+def test_decode_step_quantised_float_path():
     step, ref = _step_case("q4_k", "q6_k", "silu", True, 2)
     assert rel_err(decode.decode_step(*step), combine_token(token_rows(*ref))) < 1e-5

@@ -1,7 +1,7 @@
 """ExpertStore reading `ExpertPieces` recipes straight from a file, each against the joined tensor
 built in RAM by plain torch ops: rows stacked from per-expert tensors, rows interleaved (preadv
-scatter), dtype conversion and transposition through a staging buffer, GPT-OSS MXFP4 regrouping;
-and one long range read in parallel chunks, including a file cut short under it."""
+scatter), dtype conversion and transposition through a staging buffer, GPT-OSS MXFP4 regrouping.
+(The file reads themselves: test_file_reads.py; a file cut short under the store: test_offload_cache.)"""
 
 import pytest
 import torch
@@ -9,9 +9,8 @@ from safetensors.torch import save_file
 
 from moerun.loader import SafetensorsFile
 from moerun.loader.mapped import MappedFile
-from moerun.offload import ExpertReadError, ExpertStore
+from moerun.offload import ExpertStore
 from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces, Piece
-from moerun.offload.store import FileReader, _chunks
 from moerun.quant.formats import get_format
 from moerun.quant.mxfp4_layouts import gpt_oss_layout_bytes
 
@@ -100,28 +99,3 @@ def test_gpt_oss_mxfp4_blocks_and_scales_regrouped_per_expert(tmp_path):
         want = gpt_oss_layout_bytes(stored[f"{name}_blocks"], stored[f"{name}_scales"])
         for e in range(E):
             assert torch.equal(got[e][name], want[e])
-
-
-def test_chunks_cover_the_buffers_in_order():
-    buffers = [memoryview(bytearray(n)) for n in (5, 0, 11, 3)]
-    chunks = _chunks(buffers, 4)
-    assert [at for at, _ in chunks] == [0, 4, 8, 12, 16]
-    assert [sum(len(b) for b in bufs) for _, bufs in chunks] == [4, 4, 4, 4, 3]
-
-
-def test_a_long_range_is_read_in_parallel_chunks(tmp_path):
-    data = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    path = tmp_path / "blob"
-    path.write_bytes(data.numpy().tobytes())
-    reader = FileReader([path], chunk_bytes=333, threads=3)
-    out = torch.zeros(50, 150, dtype=torch.uint8)  # 7500 bytes: rows scattered as even then odd
-    flat = memoryview(out.view(-1).numpy())
-    rows = [flat[r * 150 : (r + 1) * 150] for r in (*range(0, 50, 2), *range(1, 50, 2))]
-    reader.read(path, 1000, rows, "a test range")
-    want = data[1000:8500].view(50, 150)
-    assert torch.equal(out[0::2], want[:25]) and torch.equal(out[1::2], want[25:])
-    with open(path, "r+b") as handle:
-        handle.truncate(5000)
-    with pytest.raises(ExpertReadError, match="truncated or replaced"):
-        reader.read(path, 1000, rows, "a test range")
-    reader.close()

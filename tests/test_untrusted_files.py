@@ -72,9 +72,8 @@ def test_checkpoints_are_never_written(seeds):
 
 
 # Run in a fresh interpreter: the checkpoints are built first, then every use of pickle from here on
-# is recorded (the pickle.find_class audit event, and the pickle module's entry points), except
-# numba's reading of its own compiled-function cache. A control unpickle at the end shows the
-# recording works.
+# is recorded (the pickle.find_class audit event, and the pickle module's entry points). A control
+# unpickle at the end shows the recording works.
 _WATCH = r"""
 import collections, json, pickle, sys, _pickle, traceback
 from pathlib import Path
@@ -85,21 +84,17 @@ from test_untrusted_files import _use
 seeds = build_seeds(Path(sys.argv[2]))
 calls, control = [], []
 
-def outside_numba():
-    return not any("/numba/" in f.filename for f in traceback.extract_stack()[:-2])
-
 def record(what):
     (control if controlling else calls).append((what, traceback.format_stack(limit=6)[:-2]))
 
 def hook(event, args):
-    if event == "pickle.find_class" and outside_numba():
+    if event == "pickle.find_class":
         record(f"find_class {args}")
 
 def watched(module, name):
     original = getattr(module, name)
     def call(*args, **kwargs):
-        if outside_numba():
-            record(f"{module.__name__}.{name}")
+        record(f"{module.__name__}.{name}")
         return original(*args, **kwargs)
     setattr(module, name, call)
 

@@ -9,7 +9,8 @@ Weights stay in their file format (`moerun.quant.formats`): rows of raw bytes ui
            weights keep fp32), integer dot products, scales applied per block in fp32, as llama.cpp.
 Results are bitwise reproducible: each output element is computed by one thread in an order that
 depends on neither the thread count nor buffer addresses. The layer builds itself on first use
-(`moerun.cpu.build`); where it cannot, `available()` is False and `unavailable_reason()` says why.
+(`moerun.cpu.build`); where it cannot, `available()` is False, `unavailable_reason()` says why and
+the torch path runs instead (dequantise, then multiply). This layer is moerun's one fast CPU path.
 The torch reference of the matmul and the MoE step is `moerun.cpu.reference`; the decode calls
 are tested against moerun's own torch modules, which they compute in one call: `AttentionDecode`
 against moerun.decoder.attention (with the model's RMSNorm), `moe_route` against moerun.moe.routing,

@@ -173,7 +173,7 @@ def load() -> Native | str:
         paths = _build.build(announce=True)
     except _build.BuildError as exc:
         reason = f"the native CPU kernels could not be built: {exc}"
-        print(f"moerun: {reason} Using the torch/numba path.", file=sys.stderr)
+        print(f"moerun: {reason} Using the torch path.", file=sys.stderr)
         return reason
     try:
         features = _cpu_features(ctypes.CDLL(str(paths["generic"])))
@@ -183,7 +183,7 @@ def load() -> Native | str:
         lib = ctypes.CDLL(str(paths[variant]))
     except OSError as exc:
         reason = f"the native CPU kernels could not be loaded: {exc}."
-        print(f"moerun: {reason} Using the torch/numba path.", file=sys.stderr)
+        print(f"moerun: {reason} Using the torch path.", file=sys.stderr)
         return reason
     allocator.tune()
     return _bind(lib, variant, features)

@@ -324,9 +324,8 @@ class Decoder:
             rows = cpu.dequantize_rows(self.embed.format.name, self.embed.data, self.embed.shape[1], ids)
             rows = rows.to(self.dtype).view(*ids.shape, -1)
         elif isinstance(self.embed, QTensor):
-            data = self.embed.data[ids.reshape(-1)]  # [B*T, row_bytes]
-            # a few rows: the torch dequantiser (numba would compile, costing more than it saves)
-            rows = dequantize_bytes(self.embed.format, data, self.dtype, numba=False).view(*ids.shape, -1)
+            data = self.embed.data[ids.reshape(-1)]  # [B*T, row_bytes]: only the rows looked up
+            rows = dequantize_bytes(self.embed.format, data, self.dtype).view(*ids.shape, -1)
         else:
             rows = F.embedding(ids, self.embed)
         m = self.config.embedding_multiplier
@@ -361,7 +360,7 @@ class Decoder:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """A two-token prompt and one decode step on a throwaway cache, so that whatever compiles
-        or loads on first use (numba kernels, Triton autotuning) does so now, not inside a timed
+        or loads on first use (the native kernels' build, Triton autotuning) does so now, not inside a timed
         generation or between streamed tokens (llama.cpp's warm-up run)."""
         cache = self.new_cache(1, 3)
         ids = torch.zeros((1, 2), dtype=torch.long)

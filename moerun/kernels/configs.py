@@ -12,8 +12,9 @@ file per GPU model (`torch.cuda.get_device_name()` with every run of non-alphanu
 
 The most specific key found wins, in the GPU's file first and then in default.json; a GPU file only
 needs the entries that differ. `default.json` must hold a "<kernel>" entry for every kernel, and is
-the one source of the defaults the kernels' launchers start from (`default_config`), including the
-launches not tuned per shape (the combine, the activation, the row sum, q8_1 quantisation).
+the one source of the defaults the kernels' launchers start from (`default_config`, with a caller's
+keys over them: `merge_config`), including the launches not tuned per shape (the combine, the
+activation, the row sum, q8_1 quantisation).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -75,6 +77,11 @@ def default_config(launch: str, config_dir: Path = CONFIG_DIR) -> dict:
     if launch not in LAUNCHES or launch not in table:
         raise ValueError(f"{config_dir / 'default.json'} has no entry for {launch!r}.")
     return dict(table[launch])
+
+
+def merge_config(default: Mapping[str, int], config: Mapping[str, int] | None) -> dict:
+    """A launch's config: `default` with the keys of `config` (None: none) overriding it."""
+    return {**default, **(config or {})}
 
 
 def plan_block_m(gpu: str | None, config_dir: Path = CONFIG_DIR) -> int:

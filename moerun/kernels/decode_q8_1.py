@@ -1,13 +1,12 @@
-"""The integer (q8_1) path of the Triton decode step, for block-quantised weights.
+"""The integer (q8_1) kernels of the Triton decode step, for block-quantised weights.
 
-Owns q8_1 activations on the device (`quantize_rows_q8_1`, and `store_q8_1`, which
-`moerun.kernels.decode`'s activation kernel also writes its q8_1 rows with) and the two projections
-with integer dot products, `gate_up_experts_q8_1` and `down_experts_q8_1`: weight quants times q8_1
-activation quants, summed per sub-block in int32, the float scales applied after in the order of
-`moerun.quant.q8_1.dot_q8_1` (ggml's vecdotq.cuh). Each launcher has a torch reference of the same
-signature (`*_reference`). The slot table, the fixed buffers and the per-launch `config` dicts work as
-described in `moerun.kernels.decode`, which chains these launches into the decode step and imports
-the table and bias checks from here.
+Owns q8_1 activations on the device (`quantize_rows_q8_1` and its torch reference, and `store_q8_1`,
+which `moerun.kernels.decode`'s activation kernel also writes its q8_1 rows with) and the projection
+kernel with integer dot products, `experts_gemv_q8_1_kernel`: weight quants times q8_1 activation
+quants, summed per sub-block in int32, the float scales applied after in the order of
+`moerun.quant.q8_1.dot_q8_1` (ggml's vecdotq.cuh). `moerun.kernels.decode` launches it through the
+one launcher of both projections wherever their input is a Q8_1; its torch reference there is
+dot_q8_1 per expert (`gate_up_experts_reference`, `down_experts_reference`).
 """
 
 from __future__ import annotations
@@ -18,20 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.configs import default_config
-from moerun.kernels.weights import (
-    FORMAT_CODES,
-    FORMAT_NAMES,
-    Q2_K,
-    Q3_K,
-    Q4_0,
-    Q4_K,
-    Q5_K,
-    Q6_K,
-    Q8_0,
-    KernelWeight,
-)
-from moerun.quant.q8_1 import Q8_1, dot_q8_1, quantize_q8_1
+from moerun.kernels.configs import default_config, merge_config
+from moerun.kernels.weights import FORMAT_CODES, Q2_K, Q3_K, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
+from moerun.quant.q8_1 import Q8_1, quantize_q8_1
 
 # Formats with an integer q8_1 path, and the bytes of weights one loop step covers (256 elements:
 # one k-quant super-block, or eight 32-element blocks).
@@ -42,26 +30,6 @@ QK = 32  # elements per q8_1 block
 
 GEMV_Q8_1_CONFIG = default_config("decode_gemv_q8_1")
 QUANTIZE_CONFIG = default_config("decode_quantize_q8_1")  # BLOCK_I: a multiple of 32
-
-
-def merge_config(default: Mapping[str, int], config: Mapping[str, int] | None) -> dict:
-    """A launch's config: `default` with the keys of `config` (None: none) overriding it."""
-    return {**default, **(config or {})}
-
-
-def check_table(slots: torch.Tensor, experts: torch.Tensor) -> int:
-    if slots.dtype != torch.int32 or experts.dtype != torch.int32 or slots.shape != experts.shape:
-        raise ValueError(
-            f"slots and experts must be int32 tensors of the same shape [k]; got {slots.dtype} "
-            f"{tuple(slots.shape)} and {experts.dtype} {tuple(experts.shape)}."
-        )
-    return slots.shape[0]
-
-
-def check_bias(bias: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
-    if bias is not None and (bias.ndim != 2 or bias.shape[1] != n):
-        raise ValueError(f"{what} bias must be [E, {n}]; got {tuple(bias.shape)}.")
-    return None if bias is None else bias.contiguous()
 
 
 # ---------------------------------------------------------------- q8_1 activations
@@ -293,13 +261,13 @@ def _dot_q6_k(rows, n_mask, qs_g, d8_g):
 
 
 @triton.jit
-def _experts_gemv_q8_1_kernel(
+def experts_gemv_q8_1_kernel(
     qs_ptr, d8_ptr, s8_ptr, x_row_stride, slots_ptr, experts_ptr, weights_ptr,
     w_ptr, row_stride, expert_stride, bias_ptr, out_ptr, N, K,
     FMT: tl.constexpr, GROUP_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """As _experts_gemv_kernel with x in q8_1 and integer dot products. Grid (k, cdiv(N, BLOCK_N)).
+    """As decode._experts_gemv_kernel with x in q8_1 and integer dot products. Grid (k, cdiv(N, BLOCK_N)).
 
     qs: int8 [k, K]; d8, s8: fp32 [k, K / 32]; rows `x_row_stride` elements of qs apart (0: shared).
     w: uint8 [slots, N, row_stride] of FMT (one of Q8_1_GROUP_BYTES). bias: float [E, N].
@@ -333,74 +301,3 @@ def _experts_gemv_q8_1_kernel(
             bias = bias * tl.load(weights_ptr + i)
         acc += bias
     tl.store(out_ptr + i * N + n_offs, acc, mask=n_mask)
-
-
-def _gemv_q8_1(xq: Q8_1, x_row_stride, slots, experts, weights, w: KernelWeight, bias, scale_bias, k, config):
-    fmt = w.fmt
-    if fmt not in Q8_1_GROUP_BYTES:
-        supported = ", ".join(FORMAT_NAMES[f] for f in Q8_1_GROUP_BYTES)
-        raise ValueError(f"no q8_1 kernel for {FORMAT_NAMES[fmt]} weights; supported: {supported}.")
-    cfg = merge_config(GEMV_Q8_1_CONFIG, config)
-    out = torch.empty(k, w.n, dtype=torch.float32, device=xq.qs.device)
-    grid = (k, triton.cdiv(w.n, cfg["BLOCK_N"]))
-    _experts_gemv_q8_1_kernel[grid](
-        xq.qs.contiguous(), xq.d.contiguous(), xq.s.contiguous(), x_row_stride, slots, experts, weights,
-        w.data, w.row_stride, w.expert_stride, out if bias is None else bias, out, w.n, w.k,
-        FMT=fmt, GROUP_BYTES=Q8_1_GROUP_BYTES[fmt], HAS_BIAS=bias is not None, SCALE_BIAS=scale_bias,
-        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-    )  # fmt: skip
-    return out
-
-
-def gate_up_experts_q8_1(
-    xq: Q8_1,
-    slots: torch.Tensor,
-    experts: torch.Tensor,
-    gate_up: KernelWeight,
-    gate_up_bias: torch.Tensor | None,
-    config: Mapping[str, int] | None = None,
-) -> torch.Tensor:
-    """xq: Q8_1 of one token [H] -> h fp32 [k, 2I], integer dot products (see dot_q8_1), one launch."""
-    k = check_table(slots, experts)
-    if xq.qs.shape != (gate_up.k,):
-        raise ValueError(f"gate_up_experts_q8_1 takes q8_1 x [{gate_up.k}]; got {tuple(xq.qs.shape)}.")
-    bias = check_bias(gate_up_bias, gate_up.n, "gate_up")
-    return _gemv_q8_1(xq, 0, slots, experts, slots, gate_up, bias, False, k, config)
-
-
-def down_experts_q8_1(
-    aq: Q8_1,
-    slots: torch.Tensor,
-    experts: torch.Tensor,
-    down: KernelWeight,
-    down_bias: torch.Tensor | None,
-    weights: torch.Tensor,
-    config: Mapping[str, int] | None = None,
-) -> torch.Tensor:
-    """aq: Q8_1 of a [k, I] (already times the routing weights) -> y fp32 [k, H]
-    (+ weights[i] * down_bias[experts[i]]), integer dot products, one launch."""
-    k = check_table(slots, experts)
-    if aq.qs.shape != (k, down.k):
-        raise ValueError(f"down_experts_q8_1 takes q8_1 a [{k}, {down.k}]; got {tuple(aq.qs.shape)}.")
-    bias = check_bias(down_bias, down.n, "down")
-    return _gemv_q8_1(aq, down.k, slots, experts, weights, down, bias, True, k, config)
-
-
-def _q8_1_row(q: Q8_1, i: int | None) -> Q8_1:
-    return q if i is None else Q8_1(qs=q.qs[i], d=q.d[i], s=q.s[i])
-
-
-def gate_up_experts_q8_1_reference(xq, slots, experts, gate_up, gate_up_bias, config=None) -> torch.Tensor:
-    rows = []
-    for slot, e in zip(slots.tolist(), experts.tolist(), strict=True):
-        h = dot_q8_1(FORMAT_NAMES[gate_up.fmt], gate_up.data[slot], xq)
-        rows.append(h if gate_up_bias is None else h + gate_up_bias[e].float())
-    return torch.stack(rows)
-
-
-def down_experts_q8_1_reference(aq, slots, experts, down, down_bias, weights, config=None) -> torch.Tensor:
-    rows = []
-    for i, (slot, e) in enumerate(zip(slots.tolist(), experts.tolist(), strict=True)):
-        y = dot_q8_1(FORMAT_NAMES[down.fmt], down.data[slot], _q8_1_row(aq, i))
-        rows.append(y if down_bias is None else y + weights[i] * down_bias[e].float())
-    return torch.stack(rows)

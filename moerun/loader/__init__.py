@@ -1,7 +1,8 @@
 """Checkpoint files: the loader is the only code in moerun that opens them. Safetensors files and
 sharded directories (`safetensors_file`), GGUF files (`gguf_file`), both memory-mapped copy-on-write
 and parsed here without the `safetensors` or `gguf` packages; where a checkpoint is (`paths`: a local
-path or a hub id already in the Hugging Face cache, never downloaded); and `CheckpointError`."""
+path or a hub id already in the Hugging Face cache, never downloaded); byte ranges of the files read
+into buffers (`reads`, for the expert store); and `CheckpointError`."""
 
 from moerun.errors import CheckpointError
 from moerun.loader.gguf_file import GGUFFile, GGUFTensorInfo

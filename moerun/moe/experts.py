@@ -12,15 +12,14 @@ from __future__ import annotations
 import torch
 
 from moerun.quant.cache import DequantCache
-from moerun.quant.cpu_matvec import fused_matvec, has_fused_matvec
 from moerun.quant.dequant import dequantize, dequantize_bytes
 from moerun.quant.formats import QTensor
 
 Weight = torch.Tensor | QTensor
 
-# Rows of a quantised projection dequantised at once in `matvec` when no fused kernel exists: 2 MiB
-# of fp32 (256 rows of H=2048). Smaller tiles measured 3-4x slower: eager dequantisation is a dozen
-# torch ops per tile, so per-op overhead dominates small tiles.
+# Rows of a quantised projection dequantised at once in `matvec`: 2 MiB of fp32 (256 rows of H=2048).
+# Smaller tiles measured 3-4x slower: eager dequantisation is a dozen torch ops per tile, so per-op
+# overhead dominates small tiles.
 _TILE_BYTES = 2 * 1024 * 1024
 
 
@@ -77,8 +76,6 @@ class ExpertWeights:
         if not isinstance(weight, QTensor):
             return torch.mv(weight, x)
         data = weight.data  # [out, row_bytes]
-        if x.device.type == "cpu" and has_fused_matvec(weight.format):
-            return fused_matvec(weight.format, data, x).to(self.dtype)
         out_features, in_features = weight.shape[-2:]
         tile = max(1, _TILE_BYTES // (4 * in_features))
         out = torch.empty(out_features, dtype=self.dtype, device=x.device)

@@ -4,9 +4,9 @@ Each streamed projection of a layer is an `ExpertSource` over what the loader ga
 [E, ...] expert tensor, or an `ExpertPieces` (moerun.offload.pieces) describing how expert e joins
 from pieces of stored tensors (per-expert names, GGUF gate and up, GPT-OSS MXFP4 blocks and scales)
 that were never joined in RAM. Whatever is a contiguous view of a memory-mapped checkpoint file is
-read with `os.preadv` from the file at its offset: only that expert's bytes are touched, the GIL is
-released while reading, and a file truncated under us gives a short read (a clear
-`ExpertReadError`) instead of a SIGBUS from the map. What is only in RAM (a converted model) is
+read from the file at its offset by the loader's `FileReader` (moerun.loader.reads): only that
+expert's bytes are touched, the GIL is released while reading, and a file truncated under us gives a
+clear `ExpertReadError` instead of a SIGBUS from the map. What is only in RAM (a converted model) is
 copied from there.
 
 Dense projections are converted to the compute dtype on read when the file stores another dtype,
@@ -18,10 +18,9 @@ reader threads (`submit`); `close` shuts them down.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,21 +28,11 @@ from pathlib import Path
 import torch
 
 from moerun.loader.mapped import MappedFile
+from moerun.loader.reads import FileReader, FileReadError
 from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces
 from moerun.quant.formats import QFormat, QTensor
 
 Key = tuple[str, int]  # (layer name, expert id)
-try:
-    _IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers one preadv call may scatter into
-except (AttributeError, OSError, ValueError):
-    _IOV_MAX = 1024
-_IOV_MAX = _IOV_MAX if _IOV_MAX > 0 else 1024
-# An expert's reads of at least two chunks are cut into chunks read at once on IO_THREADS threads.
-# Measured on the offload bench's OLMoE experts (12 MiB, cold page cache, 8 misses a layer on 4
-# readers): 4 MiB x 8 threads fetched 0.87-0.95 GB/s against 0.63-0.72 GB/s unsplit; 1-2 MiB
-# chunks or 16 threads were no better, 8 MiB (experts left whole) no different from unsplit.
-READ_CHUNK_BYTES = 4 * 2**20
-IO_THREADS = 8
 PROJECTIONS = ("gate_up", "down")
 
 
@@ -76,7 +65,7 @@ class ExpertSource:
 
     The projection is an `ExpertPieces` (a plain [E, ...] tensor or QTensor is the one-piece case).
     Each piece's share of expert e that is a contiguous view of a mapped checkpoint file is read from
-    the file with `os.preadv`: straight into the slot's rows when the bytes land as stored (rows
+    the file (a FileReader's scatter read): straight into the slot's rows when the bytes land as stored (rows
     `row, row + step, ...` as one scatter read), else into a staging buffer that a torch op puts in
     place (dtype conversion, transposition, MXFP4 regrouping). A share that is not in a file (a
     tensor the loader built in RAM) is copied from memory by the same recipe."""
@@ -186,90 +175,6 @@ def _locate(
     return [find(views[e]) for e in range(num_experts)]
 
 
-class FileReader:
-    """The checkpoint files, open for reading, and a pool that reads one long range as several
-    chunks at once: one expert's read alone keeps several requests in flight, which a disk (and a
-    virtual one more so) needs to approach its bandwidth; misses read on `readers` threads each."""
-
-    def __init__(self, paths: Iterable[Path], chunk_bytes: int = READ_CHUNK_BYTES, threads: int = IO_THREADS):
-        self.fds: dict[Path, int] = {}
-        try:
-            for path in sorted(set(paths)):
-                self.fds[path] = os.open(path, os.O_RDONLY)
-        except OSError:
-            self.close()
-            raise
-        self.chunk_bytes = chunk_bytes
-        use_pool = chunk_bytes > 0 and threads > 0 and self.fds
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="moerun-expert-io") if use_pool else None
-
-    def read(self, path: Path, offset: int, buffers: list[memoryview], where: str) -> None:
-        """Fill `buffers` from `path`'s contiguous range at `offset` (chunks of it in parallel)."""
-        fd = self.fds[path]
-        total = sum(len(b) for b in buffers)
-        if self._pool is None or total < 2 * self.chunk_bytes:
-            _pread(fd, buffers, offset, path, where)
-            return
-        chunks = _chunks(buffers, self.chunk_bytes)
-        futures = [self._pool.submit(_pread, fd, bufs, offset + at, path, where) for at, bufs in chunks[1:]]
-        try:
-            _pread(fd, chunks[0][1], offset, path, where)
-        finally:
-            errors = [f.exception() for f in futures]  # every chunk lands (or fails) before we return
-        for err in errors:
-            if err is not None:
-                raise err
-
-    def close(self) -> None:
-        if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=True)
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
-def _chunks(buffers: list[memoryview], size: int) -> list[tuple[int, list[memoryview]]]:
-    """`buffers` (filled in order from one range) cut into (offset in the range, buffers) of `size`
-    bytes each, the last one shorter."""
-    chunks: list[tuple[int, list[memoryview]]] = [(0, [])]
-    at, room = 0, size
-    for buf in (b.cast("B") for b in buffers):
-        while len(buf):
-            if room == 0:
-                chunks.append((at, []))
-                room = size
-            piece, buf = buf[:room], buf[room:]
-            chunks[-1][1].append(piece)
-            at += len(piece)
-            room -= len(piece)
-    return chunks
-
-
-def _pread(fd: int, buffers: list[memoryview], offset: int, path: Path, where: str) -> None:
-    """Fill `buffers` from the file's contiguous range at `offset` (`os.preadv` scatters it, at most
-    IOV_MAX buffers a call); a short read means the file shrank under us."""
-    total = sum(len(b) for b in buffers)
-    pending, first, done = [b.cast("B") for b in buffers if len(b)], 0, 0
-    try:
-        while first < len(pending):
-            n = os.preadv(fd, pending[first : first + _IOV_MAX], offset + done)
-            if n == 0:
-                size = os.fstat(fd).st_size
-                raise ExpertReadError(
-                    f"{path}: {where} needs bytes [{offset}, {offset + total}) but the file now ends at "
-                    f"{size}; it was truncated or replaced while moerun was running."
-                )
-            done += n
-            while n:  # step past the filled buffers, trim a partly filled one
-                if n >= len(pending[first]):
-                    n -= len(pending[first])
-                    first += 1
-                else:
-                    pending[first], n = pending[first][n:], 0
-    except OSError as err:
-        raise ExpertReadError(f"{path}: reading {where} failed ({err}).") from err
-
-
 class HostTier:
     """Recently read experts in host RAM (pinned on CUDA), least recently used dropped past the budget."""
 
@@ -314,7 +219,7 @@ class ExpertStore:
     ):
         """`layers[name]` holds "gate_up" and "down" ([E, out, in] dense, QTensor or ExpertPieces);
         dense ones are read into `dtype`. `files` are the checkpoint's mapped files, so views of them
-        are read with preadv. `host_budget_bytes` > 0 adds the host-RAM tier (pinned buffers when `pin`)."""
+        are read from the files. `host_budget_bytes` > 0 adds the host-RAM tier (pinned when `pin`)."""
         self.dtype = dtype
         self.sources = {
             layer: {p: ExpertSource(weights[p], p, dtype, files) for p in PROJECTIONS}
@@ -361,7 +266,10 @@ class ExpertStore:
         total = 0
         for name, dest in dests.items():
             where = f"expert {e} of {layer}.experts.{name}"
-            total += self.sources[layer][name].read_into(e, dest, self.files, where)
+            try:
+                total += self.sources[layer][name].read_into(e, dest, self.files, where)
+            except FileReadError as err:
+                raise ExpertReadError(str(err)) from err
         return total
 
     def empty(self, layer: str, pin: bool = False) -> dict[str, torch.Tensor]:

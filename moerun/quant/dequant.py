@@ -26,11 +26,6 @@ F32 = torch.float32
 # temporaries (a few times the slice) however large the tensor.
 CHUNK_ELEMENTS = 1 << 22
 
-# Whole tensors of at least this many blocks, on the CPU, go to the numba kernels
-# (moerun.quant.numba_dequant: the same bits, several times faster) where numba is installed;
-# smaller ones are not worth the threads.
-NUMBA_MIN_BLOCKS = 64
-
 # MXFP4's E2M1 values doubled, so that they are integers (ggml's `kvalues_mxfp4`); the scale they are
 # multiplied by is then half the E8M0 scale. Code 8 (-0) is stored as 0, as ggml does.
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -296,23 +291,10 @@ BLOCK_DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 # ---------------------------------------------------------------- public entry points
 
 
-@functools.cache
-def _numba_dequant():
-    """moerun.quant.numba_dequant, or None without numba (imported on first use, not with this module)."""
-    try:
-        from moerun.quant import numba_dequant
-    except ImportError:
-        return None
-    return numba_dequant
-
-
-def dequantize_bytes(
-    fmt: QFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32, numba: bool = True
-) -> torch.Tensor:
+def dequantize_bytes(fmt: QFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows of `fmt` bytes, uint8 [..., row_bytes], -> their values [..., row_elements] in `dtype`.
 
     Values are computed in float32 and then cast; the result never shares memory with `data`.
-    `numba=False`: the torch functions only (the same bits; the tests' check of the numba kernels).
     Refuses (FormatError) bytes that are not uint8 or rows that are not a whole number of blocks."""
     if data.dtype != torch.uint8 or data.ndim == 0:
         raise FormatError(
@@ -341,14 +323,6 @@ def dequantize_bytes(
 
     dequant_blocks = BLOCK_DEQUANTIZERS[fmt.name]
     blocks = data.reshape(-1, fmt.block_bytes)  # [N, block_bytes]
-    if (
-        numba
-        and blocks.device.type == "cpu"
-        and blocks.shape[0] >= NUMBA_MIN_BLOCKS
-        and sys.byteorder == "little"
-        and _numba_dequant() is not None
-    ):
-        return _numba_dequant().numba_dequantize(fmt, blocks).to(dtype).reshape(out_shape)
     per_chunk = max(1, CHUNK_ELEMENTS // fmt.block_size)
     if blocks.shape[0] <= per_chunk:
         return dequant_blocks(blocks).to(dtype).reshape(out_shape)

@@ -292,7 +292,8 @@ def _step_case(gate_up_fmt: str, down_fmt: str, act: str, with_bias: bool, k: in
     plan = build_token_plan(experts.long().cpu().flip(0), weights.cpu().flip(0))  # sorts them back
     assert plan.experts == experts.tolist()
     gate_up, down = map(kernel_weight, weights_by_slot)
-    step = (x, slots, experts, plan.weights.to(DEVICE), gate_up, down, biases, ACTS[act])
+    layer = decode.LayerWeights(gate_up, down, *biases)
+    step = (x, slots, experts, plan.weights.to(DEVICE), layer, ACTS[act])
     return step, (x, plan, experts_w, ACTS[act])
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import triton
@@ -327,14 +328,22 @@ def sum_rows_reference(y, config=None) -> torch.Tensor:
 # ---------------------------------------------------------------- the step
 
 
+class LayerWeights(NamedTuple):
+    """One layer's experts as the decode launches read them: gate_up and down indexed by slot, and
+    their biases (gate_up [E, 2I], down [E, H], indexed by expert) or None."""
+
+    gate_up: KernelWeight
+    down: KernelWeight
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+
 def decode_step(
     x: torch.Tensor,
     slots: torch.Tensor,
     experts: torch.Tensor,
     weights: torch.Tensor,
-    gate_up: KernelWeight,
-    down: KernelWeight,
-    biases: tuple[torch.Tensor | None, torch.Tensor | None],
+    layer: LayerWeights,
     act: Activation,
     use_q8_1: bool = False,
     config: Mapping[str, Mapping[str, int]] | None = None,
@@ -342,12 +351,12 @@ def decode_step(
     """One token x [H] through its k experts -> sum_i weights[i] * expert_i(x), fp32 [H].
 
     slots, experts: int32 [k] (experts ascending, the plan order the rows are summed in); weights:
-    fp32 [k]; biases: (gate_up_bias [E, 2I] | None, down_bias [E, H] | None). With use_q8_1, each
+    fp32 [k]; layer: the experts' weights and biases. With use_q8_1, each
     projection whose format has a q8_1 kernel (Q8_1_GROUP_BYTES) takes its input as q8_1 and uses
     integer dot products; the others take floats (ActivationFormat.for_weight). config: launch name
     (the keys of DECODE_CONFIG) -> that launch's config; quantising x to q8_1 uses "activate"'s."""
     cfg = {**DECODE_CONFIG, **(config or {})}
-    gate_up_bias, down_bias = biases
+    gate_up, down, gate_up_bias, down_bias = layer
     x_format = ActivationFormat.for_weight(gate_up, use_q8_1)
     a_format = ActivationFormat.for_weight(down, use_q8_1)
     if x_format is ActivationFormat.Q8_1:
@@ -359,9 +368,9 @@ def decode_step(
 
 
 def decode_step_reference(
-    x, slots, experts, weights, gate_up, down, biases, act, use_q8_1=False, config=None
+    x, slots, experts, weights, layer: LayerWeights, act, use_q8_1=False, config=None
 ) -> torch.Tensor:
-    gate_up_bias, down_bias = biases
+    gate_up, down, gate_up_bias, down_bias = layer
     x_format = ActivationFormat.for_weight(gate_up, use_q8_1)
     a_format = ActivationFormat.for_weight(down, use_q8_1)
     if x_format is ActivationFormat.Q8_1:

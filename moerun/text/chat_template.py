@@ -35,17 +35,15 @@ def render_chat(
     messages: list[dict],
     add_generation_prompt: bool = True,
     *,
-    bos_token: str | None = None,
-    eos_token: str | None = None,
     tools: list[dict] | None = None,
     documents: list[dict] | None = None,
     source: str = "the chat template",
     **extra,
 ) -> str:
     """The prompt text `template` makes of `messages` (dicts with "role" and "content"), ending with
-    the start of the assistant's turn if `add_generation_prompt`. The special tokens (`bos_token`,
-    `eos_token`, and any other `*_token` in `extra`) are passed as text, left out when None, as
-    transformers' `apply_chat_template` passes them; `extra` reaches the template as variables.
+    the start of the assistant's turn if `add_generation_prompt`. `extra` reaches the template as
+    variables, the special tokens among them (`bos_token`, `eos_token`, any `*_token`) as text, any
+    left out when None, as transformers' `apply_chat_template` passes them.
 
     Tokenize the result without adding special tokens again (`Tokenizer.encode(text,
     add_special_tokens=False)`): templates write BOS themselves. Raises ChatTemplateError, naming
@@ -64,8 +62,7 @@ def render_chat(
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         chat.append(message)
-    variables = {"bos_token": bos_token, "eos_token": eos_token, **extra}
-    variables = _plain({key: value for key, value in variables.items() if value is not None})
+    variables = _plain({key: value for key, value in extra.items() if value is not None})
     try:
         compiled = _compile(template)
         return compiled.render(

@@ -109,9 +109,8 @@ class _Prepared:
     def _decode(self, x, slots, experts, weights, act: Activation) -> torch.Tensor:
         """The decode step's device work: x [H] -> the weighted sum of its experts [H] fp32."""
         config = {"gate_up": self.configs["decode_gate_up"], "down": self.configs["decode_down"]}
-        return decode.decode_step(
-            x, slots, experts, weights, self.gate_up, self.down, self.biases, act, self.use_q8_1, config
-        )
+        layer = decode.LayerWeights(self.gate_up, self.down, *self.biases)
+        return decode.decode_step(x, slots, experts, weights, layer, act, self.use_q8_1, config)
 
 
 def _pool_weight(weight, pool: torch.Tensor) -> KernelWeight:

@@ -160,7 +160,9 @@ def bench_prefill(shape_name: str, fmt: str, device: str, tokens: int, smoke: bo
     triton_layer(x)
     result = dict(shape=shape_name, format=fmt, tokens=tokens)
     result["triton_tflops"] = flops / _median(lambda: triton_layer(x), device, repeats, 3) / 1e12
-    torch_layer = MoELayer(spec, triton_layer.tensors, name="bench", backend="torch", dtype=torch.bfloat16)
+    tensors = triton_layer.tensors
+    torch_run = layer_run(tensors, torch.bfloat16, device, "torch")
+    torch_layer = MoELayer(spec, tensors, name="bench", run=torch_run)
     torch_layer(x)
     result["torch_tflops"] = flops / _median(lambda: torch_layer(x), device, repeats, 3) / 1e12
     if fmt == "bf16" and device == "cuda" and hasattr(torch, "_grouped_mm"):

@@ -177,9 +177,32 @@ class CpuBackend(TorchBackend):
         ws: Workspace,
         trace: LayerTrace,
     ) -> torch.Tensor:
-        """`tokens_forward`: one native call (a call per group of streamed experts)."""
+        """One native call (`tokens_forward`: a call per group of streamed experts); one token's
+        decode step by the shortest way there (`token_forward`), the same call."""
         with trace.stage("experts", x.device):
+            if x.shape[0] == 1:
+                return self.token_forward(x, ids, weights, experts, act)
             return self.tokens_forward(x, ids, weights, experts, act, ws)
+
+    def token_forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: ExpertWeights,
+        act: Activation,
+    ) -> torch.Tensor:
+        """One token x [1, H] and its k experts ids [1, k], ascending as every route gives them, with
+        weights [1, k] -> [1, H] fp32: `tokens_forward`'s one call without its grouping (a decode
+        step's experts are fetched together, the cache holding at least k slots a layer)."""
+        table = _table(experts)
+        ids = ids.reshape(-1)
+        places = table.held(ids) if experts.stream is None else experts.stream.slot_ids(ids).long()
+        pointers, formats = table.rows(ids, places)
+        slots = table.per_k(len(ids))[1]
+        step = cpu.ExpertTable(pointers, formats, table.intermediate)
+        routed = (slots, weights.float().reshape(1, -1).contiguous())
+        return cpu.moe_decode_table(x.float().reshape(1, -1), step, routed, act, self.int8_activations)
 
     def tokens_forward(
         self,

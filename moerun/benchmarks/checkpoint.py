@@ -91,17 +91,13 @@ def run_checkpoint_bench(
     one); `peer`: "llama.cpp" or None. `expert_parallel` (under torchrun): rank 0 measures the model
     with its experts spread over the ranks (the peer runs on rank 0 alone) and returns the figures;
     the other ranks serve their experts until it is done and return None."""
-    from moerun.benchmarks.llama_cpp import NAME, LlamaCppPeer, PeerError, check_peer
+    from moerun.benchmarks.llama_cpp import LlamaCppPeer
 
     dtype, device, backend, log = settings.dtype, settings.device or "cpu", settings.backend, settings.log
     decode_steps, repeats = settings.decode_steps, settings.repeats
 
     if peer is not None:
-        if peer != NAME:
-            raise PeerError(f"--peer takes {NAME}, not {peer!r}.")
-        if device != "cpu":
-            raise PeerError("--peer llama.cpp compares CPU runs: leave --device out (or give cpu).")
-        check_peer(path)
+        _check_peer(peer, device, path)
     path = Path(path)
     log(f"loading {path} ({dtype}, {device})")
     start = time.perf_counter()
@@ -136,11 +132,7 @@ def run_checkpoint_bench(
     r = {
         "model": str(path),
         "checkpoint": "gguf" if file_bytes is not None else "hf",
-        "model_type": config.model_type,
-        "layers": config.num_layers,
-        "experts": config.moe.num_experts,
-        "top_k": config.moe.top_k,
-        "vocab": config.vocab_size,
+        **_model_figures(config),
         "dtype": dtype,
         "device": device,
         "backend": resolve_backend(backend, torch.device(device)),
@@ -166,16 +158,42 @@ def run_checkpoint_bench(
     r["decode_bytes_per_s"] = bytes_per_token * r["decode_tok_s"]
     r["decode_copy_fraction"] = r["decode_bytes_per_s"] / copy
     if peer is not None:
-        c = contenders[1]
-        r.update(_figures("peer_", m, c.name, prefill_tokens))
-        r["peer"] = c.version
-        r["peer_bytes_per_token"] = file_bytes
-        r["peer_decode_bytes_per_s"] = file_bytes * r["peer_decode_tok_s"]
-        r["peer_decode_copy_fraction"] = r["peer_decode_bytes_per_s"] / copy
-        r["decode_vs_peer"] = r["decode_tok_s"] / r["peer_decode_tok_s"]
-        r["prefill_vs_peer"] = r["prefill_tok_s"] / r["peer_prefill_tok_s"]
-        r.update(compare_logits(m["logits"]["moerun"], m["logits"][c.name]))
+        r.update(_peer_figures(r, m, contenders[1], file_bytes, prefill_tokens))
     return r
+
+
+def _model_figures(config) -> dict:
+    """What the checkpoint holds: its type, layers, experts, top-k and vocabulary."""
+    return {
+        "model_type": config.model_type,
+        "layers": config.num_layers,
+        "experts": config.moe.num_experts,
+        "top_k": config.moe.top_k,
+        "vocab": config.vocab_size,
+    }
+
+
+def _check_peer(peer: str, device: str, path: str | Path) -> None:
+    from moerun.benchmarks.llama_cpp import NAME, PeerError, check_peer
+
+    if peer != NAME:
+        raise PeerError(f"--peer takes {NAME}, not {peer!r}.")
+    if device != "cpu":
+        raise PeerError("--peer llama.cpp compares CPU runs: leave --device out (or give cpu).")
+    check_peer(path)
+
+
+def _peer_figures(r: dict, m: dict, peer, file_bytes: int, prefill_tokens: int) -> dict:
+    """The peer's figures beside moerun's (`r`): its rates, bytes, the ratios and how far apart the
+    two's logits lie, from the measurements `m`."""
+    p = _figures("peer_", m, peer.name, prefill_tokens)
+    p["peer"] = peer.version
+    p["peer_bytes_per_token"] = file_bytes
+    p["peer_decode_bytes_per_s"] = file_bytes * p["peer_decode_tok_s"]
+    p["peer_decode_copy_fraction"] = p["peer_decode_bytes_per_s"] / r["copy_bytes_per_s"]
+    p["decode_vs_peer"] = r["decode_tok_s"] / p["peer_decode_tok_s"]
+    p["prefill_vs_peer"] = r["prefill_tok_s"] / p["peer_prefill_tok_s"]
+    return p | compare_logits(m["logits"]["moerun"], m["logits"][peer.name])
 
 
 def _measure(

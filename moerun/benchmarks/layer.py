@@ -234,16 +234,23 @@ def run_bench(
         results["dequant_cache"] = {"hits": stats.hits, "misses": stats.misses, "bytes": stats.bytes}
     results["peer_prefill_tok_s"] = results["peer_decode_tok_s"] = None
     if "peer" in times:
-        peer_prefill_s, peer_decode_s = times["peer"]
-        results["peer_prefill_tok_s"] = prefill_tokens / peer_prefill_s
-        results["peer_decode_tok_s"] = 1.0 / peer_decode_s
-        results["prefill_vs_peer"] = peer_prefill_s / prefill_s
-        results["decode_vs_peer"] = peer_decode_s / decode_s
+        results.update(_peer_figures(times, prefill_tokens))
         if not formats:  # a quantised layer repeats two experts' bytes: its outputs are not comparable
             with torch.inference_mode():
                 ours, theirs = layer(x_prefill).float(), contenders["peer"](x_prefill).float()
             results["peer_max_rel_diff"] = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     return results
+
+
+def _peer_figures(times: dict, prefill_tokens: int) -> dict:
+    """The peer's rates and the ratios, from each contender's (prefill s, decode step s)."""
+    (prefill_s, decode_s), (peer_prefill_s, peer_decode_s) = times["moerun"], times["peer"]
+    return {
+        "peer_prefill_tok_s": prefill_tokens / peer_prefill_s,
+        "peer_decode_tok_s": 1.0 / peer_decode_s,
+        "prefill_vs_peer": peer_prefill_s / prefill_s,
+        "decode_vs_peer": peer_decode_s / decode_s,
+    }
 
 
 def format_table(r: dict) -> str:

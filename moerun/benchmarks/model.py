@@ -176,37 +176,10 @@ def run_model_bench(
                 decode["moerun"].append(t_ours)
                 decode["transformers"].append(t_peer)
         log("generate: 32-token prompt, 16 new tokens (greedy), each side's own generate, interleaved")
-        prompt = ids[0, :32].tolist()
-        generate = {"moerun": [], "transformers": []}
-        for _ in range(repeats):
-            generate["moerun"].append(timed(lambda: list(ours.generate(prompt, max_new_tokens=16)), device))
-            generate["transformers"].append(
-                timed(
-                    lambda: peer.generate(
-                        ids[:, :32], max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0
-                    )
-                )
-            )
-    generate_s = {k: statistics.median(v) for k, v in generate.items()}
+        generate_s = _generate_seconds(ours, peer, ids[:, :32], repeats, device)
     prefill_s = {k: statistics.median(v) for k, v in prefill.items()}
     decode_s = {k: statistics.median(v) for k, v in decode.items()}
-    spec = ours.config.moe
-    expert_bytes = 3 * spec.hidden * spec.intermediate * torch_dtype.itemsize
-    shared_bytes = 3 * spec.hidden * spec.shared_intermediate * torch_dtype.itemsize
-    dense_bytes = 3 * spec.hidden * ours.config.dense_intermediate * torch_dtype.itemsize
-    moe_layers = sum(ours.config.moe_layers)
-    bytes_per_step = (
-        moe_layers * (spec.top_k * expert_bytes + shared_bytes)
-        + (layers - moe_layers) * dense_bytes
-        + sum(t.numel() * t.element_size() for a in ours.attentions for t in a.t.values())
-        + ours.lm_head.numel() * ours.lm_head.element_size()
-    )
-    peer_kv = sum(
-        t.numel() * t.element_size()
-        for layer in getattr(peer_cache, "layers", [])
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-        if isinstance(t, torch.Tensor)
-    ) // max(peer_cache.get_seq_length(), 1)
+    bytes_per_step = _decode_bytes_per_step(ours, torch_dtype)
     diff = (ours_logits - peer_logits_out).abs().max() / peer_logits_out.abs().max()
     return {
         "model": f"{generated}-shaped, {layers} layers",
@@ -231,8 +204,47 @@ def run_model_bench(
         "peer_max_rel_diff": diff.item(),
         "same_greedy_last_token": bool(ours_logits[0, -1].argmax() == peer_logits_out[0, -1].argmax()),
         "kv_bytes_per_token": cache.bytes_per_position,
-        "peer_kv_bytes_per_token": peer_kv,
+        "peer_kv_bytes_per_token": _kv_bytes_per_token(peer_cache),
     }
+
+
+_GREEDY_16 = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
+
+
+def _generate_seconds(ours: MoEModel, peer, prompt: torch.Tensor, repeats: int, device: str) -> dict:
+    """Median seconds of each side's own generate: `prompt` [1, P], 16 new tokens (greedy)."""
+    ids = prompt[0].tolist()
+    seconds = {"moerun": [], "transformers": []}
+    for _ in range(repeats):
+        seconds["moerun"].append(timed(lambda: list(ours.generate(ids, max_new_tokens=16)), device))
+        seconds["transformers"].append(timed(lambda: peer.generate(prompt, **_GREEDY_16)))
+    return {k: statistics.median(v) for k, v in seconds.items()}
+
+
+def _decode_bytes_per_step(ours: MoEModel, dtype: torch.dtype) -> int:
+    """Weight bytes one decode step reads: top-k experts and the shared expert of each MoE layer, the
+    dense MLPs, the attention weights and the lm_head."""
+    spec, config = ours.config.moe, ours.config
+    expert_bytes = 3 * spec.hidden * spec.intermediate * dtype.itemsize
+    shared_bytes = 3 * spec.hidden * spec.shared_intermediate * dtype.itemsize
+    dense_bytes = 3 * spec.hidden * config.dense_intermediate * dtype.itemsize
+    moe_layers = sum(config.moe_layers)
+    return (
+        moe_layers * (spec.top_k * expert_bytes + shared_bytes)
+        + (config.num_layers - moe_layers) * dense_bytes
+        + sum(t.numel() * t.element_size() for a in ours.attentions for t in a.t.values())
+        + ours.lm_head.numel() * ours.lm_head.element_size()
+    )
+
+
+def _kv_bytes_per_token(peer_cache) -> int:
+    """Bytes a transformers cache holds per position."""
+    return sum(
+        t.numel() * t.element_size()
+        for layer in getattr(peer_cache, "layers", [])
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if isinstance(t, torch.Tensor)
+    ) // max(peer_cache.get_seq_length(), 1)
 
 
 def format_model_table(r: dict) -> str:

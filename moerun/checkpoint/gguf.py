@@ -305,13 +305,7 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
         raise CheckpointError(f"{gguf.path}: a {arch} model without experts; moerun runs MoE models only.")
     mla = _mla(get) if facts.mla else {}
     head_dim = mla["qk_rope_head_dim"] if mla else get("attention.key_length", hidden // heads)
-    rope_dims = get("rope.dimension_count", head_dim)
-    if rope_dims != head_dim and not (facts.partial_rotary and rope_dims < head_dim):
-        what = "more than the head" if facts.partial_rotary else "part of each head"
-        raise CheckpointError(
-            f"{gguf.path}: {arch}.rope.dimension_count is {rope_dims} for heads of {head_dim}; RoPE over "
-            f"{what} is not supported."
-        )
+    rope_dims = _rope_dims(gguf, arch, get("rope.dimension_count", head_dim), head_dim, facts)
     if "token_embd.weight" not in names:
         raise CheckpointError(f"{gguf.path}: has no token_embd.weight tensor.")
     if not facts.deepseek_moe_keys and get("expert_weights_scale", 0.0) not in (0, 1):
@@ -325,14 +319,9 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
     expert_ff = get(facts.experts_width_key, ff)  # as llama.cpp
     # llama.cpp loads attention biases when the file has them; none for MLA
     bias = "blk.0.attn_q.bias" in names and not mla
-    eos = [check_field("token_id", md[k], f"metadata key {k}") for k in _EOS_KEYS if k in md]
-    bos = md.get("tokenizer.ggml.bos_token_id")
-    embed = gguf.info("token_embd.weight").shape
-    if len(embed) != 2:
-        raise TensorError(f"{gguf.path}: token_embd.weight has shape {embed}, not [vocab, hidden].")
     config = {
         "model_type": model_type,
-        "vocab_size": embed[0],
+        "vocab_size": _vocab_size(gguf),
         "hidden_size": hidden,
         "num_hidden_layers": n,
         "num_attention_heads": heads,
@@ -349,8 +338,7 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
         "norm_topk_prob": facts.renormalize_top_k,
         "rope_parameters": _rope(gguf, arch, get, facts),
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": None if bos is None else check_field("token_id", bos, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": sorted(set(eos), key=eos.index),
+        **_token_ids(md),
         "qkv_bias": bias,
         "attention_bias": bias,
         "use_qk_norm": "blk.0.attn_q_norm.weight" in names,  # read where the arch makes it optional
@@ -362,21 +350,7 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
         "dense_intermediate": ff,
     }
     if facts.swa_period is not None:
-        pattern = md.get(f"{arch}.attention.sliding_window_pattern", facts.swa_period)
-        if isinstance(pattern, np.ndarray | list):  # one flag per layer
-            sliding = [bool(s) for s in pattern] if len(pattern) == n else None
-        else:  # llama.cpp's set_swa_pattern(period)
-            period = check_field(
-                "sliding_window_pattern", pattern, f"metadata key {arch}.attention.sliding_window_pattern"
-            )
-            sliding = [i % period < period - 1 for i in range(n)]
-        if sliding is None:
-            raise GGUFMetadataError(
-                f"{gguf.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} flags for "
-                f"{n} layers."
-            )
-        config["sliding_window"] = get("attention.sliding_window")
-        config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+        config.update(_sliding_layers(gguf, arch, get, facts.swa_period, n))
     if facts.partial_rotary:
         config["rope_parameters"]["partial_rotary_factor"] = rope_dims / head_dim
     if facts.deepseek_moe_keys:
@@ -384,6 +358,52 @@ def _hf_config(gguf: GGUFFile, arch: str, model_type: str, facts: GGUFFacts) -> 
     config.update(mla)
     config.update(facts.swiglu)
     return config
+
+
+def _rope_dims(gguf: GGUFFile, arch: str, rope_dims: int, head_dim: int, facts: GGUFFacts) -> int:
+    """The rotated dims of each head: all of them, or fewer where the arch rotates part of a head."""
+    if rope_dims != head_dim and not (facts.partial_rotary and rope_dims < head_dim):
+        what = "more than the head" if facts.partial_rotary else "part of each head"
+        raise CheckpointError(
+            f"{gguf.path}: {arch}.rope.dimension_count is {rope_dims} for heads of {head_dim}; RoPE over "
+            f"{what} is not supported."
+        )
+    return rope_dims
+
+
+def _vocab_size(gguf: GGUFFile) -> int:
+    embed = gguf.info("token_embd.weight").shape
+    if len(embed) != 2:
+        raise TensorError(f"{gguf.path}: token_embd.weight has shape {embed}, not [vocab, hidden].")
+    return embed[0]
+
+
+def _token_ids(md: dict) -> dict:
+    """bos_token_id and eos_token_id (every end-of-sequence id the metadata names, in order)."""
+    eos = [check_field("token_id", md[k], f"metadata key {k}") for k in _EOS_KEYS if k in md]
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    return {
+        "bos_token_id": None if bos is None else check_field("token_id", bos, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": sorted(set(eos), key=eos.index),
+    }
+
+
+def _sliding_layers(gguf: GGUFFile, arch: str, get, period: int, n: int) -> dict:
+    """sliding_window and layer_types of an arch with sliding-window layers: one flag per layer in
+    the metadata, or a period (llama.cpp's set_swa_pattern: every period-th layer full)."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = gguf.metadata.get(key, period)
+    if isinstance(pattern, np.ndarray | list):  # one flag per layer
+        if len(pattern) != n:
+            raise GGUFMetadataError(f"{gguf.path}: {key} has {len(pattern)} flags for {n} layers.")
+        sliding = [bool(s) for s in pattern]
+    else:
+        period = check_field("sliding_window_pattern", pattern, f"metadata key {key}")
+        sliding = [i % period < period - 1 for i in range(n)]
+    return {
+        "sliding_window": get("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+    }
 
 
 def _deepseek_moe(gguf: GGUFFile, arch: str, get, facts: GGUFFacts) -> dict:

@@ -17,7 +17,7 @@ class KVCache:
 
     LongRoPE (moerun.decoder.rope): `tokens` [B, max_len] keeps the ids at the cached positions and
     `rope_long` which of the two sets rotated them, so that a pass crossing the boundary can compute
-    those positions again (MoEModel.new_cache sets `tokens` for such models; None otherwise);
+    those positions again (Decoder.new_cache sets `tokens` for such models; None otherwise);
     `rope_reach`: a length the sequence is known to reach (a prompt prefilled in chunks), whose set
     every pass uses if it reaches less."""
 

@@ -4,7 +4,7 @@ Placement: the E experts of every MoE layer are cut into W contiguous shares, th
 taking one more (`ExpertShard`). A rank loads only its share from the checkpoint.
 
 Rank 0 leads: it runs the model (the dense part, routing, the combine, sampling: whatever command
-or server drives it), and the other ranks serve their experts to it (`MoEModel.serve_experts`), so
+or server drives it), and the other ranks serve their experts to it (`Decoder.serve_experts`), so
 any driver runs expert-parallel, a server whose requests reach rank 0 alone included. A forward
 pass on rank 0 announces itself on a control group (`begin_step`: its tokens, activation dtype and
 collective); then at each MoE layer rank 0 sends the layer's normed hidden states with their
@@ -389,7 +389,9 @@ class ExpertParallel:
         if self.broken is not None:
             raise ExpertParallelError(f"the expert-parallel group failed in an earlier step: {self.broken}")
         if not self._layers:
-            raise ExpertParallelError("no model is bound to this expert-parallel group (MoEModel binds it).")
+            raise ExpertParallelError(
+                "no model is bound to this expert-parallel group (the model binds it at construction)."
+            )
         with _held_interrupts():  # announced and noted, or neither
             header = (_STEP, tokens, COLLECTIVES.index(self.collective), _DTYPES.index(dtype), int(predicts))
             self._announce(*header)

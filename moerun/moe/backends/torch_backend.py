@@ -1,4 +1,5 @@
-"""The torch backend: plain PyTorch, the reference for every other backend and the CPU path.
+"""The torch backend (`TorchBackend`): plain PyTorch, the reference for every other backend, and the
+path where neither the native CPU kernels nor Triton run.
 
 Only experts that have rows are touched. Projections run in the weights' dtype; the activation,
 the routing weight and the combine run in fp32. The combine sums each token's rows in plan order

@@ -1,4 +1,4 @@
-"""The triton backend: the same functions as the torch backend, on the kernels of moerun.kernels.
+"""The triton backend (`TritonBackend`): the torch backend's interface on the kernels of moerun.kernels.
 
 Prefill: the plan is built on the device (no host read-back) and padded to the grouped GEMM's
 block; two grouped GEMMs dequantise the weights in the kernel, then one kernel sums each token's

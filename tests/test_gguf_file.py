@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 
+from moerun.errors import TensorError
 from moerun.loader import CheckpointError, GGUFFile
 from moerun.loader.gguf_file import GGML_TYPES
 from moerun.quant.dequant import dequantize
@@ -194,6 +195,19 @@ def test_a_tensor_of_an_unsupported_type_can_be_inspected_but_not_read(written):
     assert str(path) in str(e.value)
     with pytest.raises(CheckpointError, match="has no tensor named 'absent'"):
         f.info("absent")
+
+
+def test_a_tensor_with_no_dims_is_refused(written, tmp_path):
+    """ggml has no 0-d tensor: an info whose dims list is empty is refused as the infos are read,
+    naming the tensor (it was an IndexError once its bytes were asked for)."""
+    path, _ = written
+    data = path.read_bytes()
+    at = info_field(path, "w.q8_0")  # n_dims 3, dims (64, 3, 2), then the type
+    out = tmp_path / "no_dims.gguf"
+    out.write_bytes(data[:at] + struct.pack("<I", 0) + data[at + 4 + 3 * 8 :])
+    with pytest.raises(TensorError, match=r"tensor 'w.q8_0' has no dims; GGUF tensors have 1 to 4") as e:
+        GGUFFile(out)
+    assert str(out) in str(e.value)
 
 
 def test_an_unknown_type_or_a_partial_block_is_refused_when_asked_for(written, tmp_path):

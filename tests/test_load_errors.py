@@ -151,6 +151,10 @@ def _set(key, value):
         (_set("num_experts", "ü"), r"num_experts is 'ü'; it must be an integer"),
         (_set("vocab_size", None), r"vocab_size is null; it must be an integer"),
         (
+            _set("num_experts_per_tok", None),
+            r"num_experts_per_tok is null; it must be an integer in \[1, 1024\]",
+        ),
+        (
             lambda c: c["rope_parameters"].update(rope_theta=0),
             r"rope_parameters\.rope_theta is 0; it must be",
         ),

@@ -247,9 +247,16 @@ class CheckedConfig(Mapping):
         return value
 
     def __getitem__(self, key: str):
+        """A field the model needs: missing or null is refused, naming it (`get` is for the optional)."""
         if key not in self._values:
             raise ConfigError(f"{self._spelled(key)} is missing.")
-        return self._checked(key, self._values[key])
+        value = self._checked(key, self._values[key])
+        if value is None:
+            rule = FIELDS.get(key)
+            raise ConfigError(
+                f"{self._spelled(key)} is null; it must be {_describe(rule) if rule else 'set'}."
+            )
+        return value
 
     def get(self, key: str, default=None):
         value = self._checked(key, self._values.get(key))

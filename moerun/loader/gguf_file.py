@@ -203,6 +203,10 @@ class GGUFFile:
                 raise CheckpointError(
                     f"{self.path}: tensor {quote(name)} has {n_dims} dims; GGUF allows at most {MAX_DIMS}."
                 )
+            if n_dims == 0:  # ggml has no 0-d tensor: a scalar is one dim of 1
+                raise TensorError(
+                    f"{self.path}: tensor {quote(name)} has no dims; GGUF tensors have 1 to {MAX_DIMS}."
+                )
             dims = [cursor.unpack("<Q", what) for _ in range(n_dims)]
             infos.append((name, dims, cursor.unpack("<I", what), cursor.unpack("<Q", what)))
         data_start = -(-cursor.pos // self.alignment) * self.alignment

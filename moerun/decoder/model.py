@@ -407,6 +407,7 @@ class Decoder:
                         break  # rank 0 called off the rest of the step (an error there)
                 if self.expert_cache is not None:
                     self.expert_cache.end_step()
+        ep.finish()  # rank 0 is done with the group: this rank's heartbeat stops too
 
     def close(self) -> None:
         """Stop expert streaming's reader threads (waiting for reads in flight) and close its files;

@@ -445,14 +445,15 @@ class ExpertParallel:
         step.exchange_ms += 1e3 * (time.perf_counter() - start)
 
     def finish(self) -> None:
-        """Rank 0: release the other ranks (their serve_experts returns); once, and only while the
-        group is there. Other ranks: nothing."""
-        if self.finished or not dist.is_initialized():
+        """Once: stop this rank's heartbeat and keep-alive threads (a thread still calling into the
+        store while the interpreter exits can abort the process); rank 0 also releases the other
+        ranks (their serve_experts returns) while the group is there."""
+        if self.finished:
             return
         self.finished = True
         self._stop.set()
         self.heartbeat.stop()
-        if self.leads and self.broken is None:  # a broken group: nobody to release
+        if self.leads and self.broken is None and dist.is_initialized():  # broken: nobody to release
             with contextlib.suppress(ExpertParallelError):  # the others are gone already: nothing to release
                 self._announce(_FINISH, 0, 0, 0, 0)
 

@@ -4,34 +4,22 @@ batching and serving call the decoder, never the other way."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-
-import torch
+import functools
+from collections.abc import Iterator, Sequence
 
 from moerun.batching import Token
-from moerun.decoder.config import ModelConfig
 from moerun.decoder.model import Decoder
 from moerun.generate import Generator
-from moerun.moe.run import RunSpec
-from moerun.quant.formats import QTensor
-from moerun.text.tokenizer import Tokenizer
 
 
 class MoEModel(Decoder):
     """A loaded model: `logits(ids)`, `generate(prompt, ...)`, `stats()`, `close()`, and the
     decoder's attributes (`config`, `tokenizer`, `dtype`, `device`, `run`, ...)."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        tensors: Mapping[str, torch.Tensor | QTensor],
-        run: RunSpec,
-        tokenizer: Tokenizer | None = None,
-        progress: Callable[[int, int], None] | None = None,
-    ):
-        """As `Decoder`; the generator holds the figures of the last generation."""
-        super().__init__(config, tensors, run, tokenizer, progress)
-        self.generator = Generator(self)
+    @functools.cached_property
+    def generator(self) -> Generator:
+        """Drives this model's generations and holds the figures of the last one."""
+        return Generator(self)
 
     def generate(
         self, prompt: str | Sequence[int], max_new_tokens: int | None = 128, **options

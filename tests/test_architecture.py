@@ -33,7 +33,7 @@ ALLOWED = {
     "sampling.py": set(),
     "batching.py": {"text", "sampling.py", "decoder"},
     "generate.py": {"batching.py", "decoder"},
-    "model.py": {"decoder", "generate.py", "batching.py", "moe", "quant", "text"},
+    "model.py": {"decoder", "generate.py", "batching.py"},
     "decoder": {
         "moe",
         "offload",

@@ -205,7 +205,7 @@ def test_a_prompt_runs_each_expert_once_with_the_row_kernels_bits(gate_up, down,
     table = cpu_backend._table(layer.experts)
     distinct = torch.unique(ids)
     assert torch.bincount(ids.reshape(-1)).max() >= 16  # an expert with enough tokens for every GEMM
-    pointers, formats = table.rows(distinct, distinct)
+    pointers, formats = table.rows(distinct)
     slots = torch.searchsorted(distinct, ids).to(torch.int32)
     args = (x, cpu.ExpertTable(pointers, formats, QI), (slots, weights.contiguous()), SPEC.activation, True)
     assert torch.equal(cpu.moe_decode_table(*args), cpu.moe_decode_table(*args, gemm=False))

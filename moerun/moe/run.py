@@ -31,6 +31,10 @@ class RunSpec:
     expert_parallel: object | None = None  # moerun.distributed.ExpertParallel: this rank's share
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
+    def __post_init__(self):
+        if self.prefetch_k and self.expert_cache is None:
+            raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
+
     @classmethod
     def make(
         cls,
@@ -46,8 +50,6 @@ class RunSpec:
     ) -> RunSpec:
         """A spec with the backend named (`auto` resolved for the device) made for `dtype` with its
         `activations` (None: the backend's default; moerun.moe.backends.make_backend)."""
-        if prefetch_k and expert_cache is None:
-            raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
         device = torch.device(device)
         return cls(
             device=device,

@@ -78,6 +78,7 @@ class _Table:
         self.by_expert = torch.tensor([[gub.at(e), dnb.at(e)] for e in range(E)], dtype=torch.int64)
         self.intermediate = experts.down.shape[-1]
         self._per_k: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stream = experts.stream  # by_place is indexed by its slots; None: by expert row
         self._share = None  # expert parallelism: expert id -> its row in the share's tensors
         if experts.owned is not None:
             self._share = torch.full((max(experts.owned) + 1,), -1, dtype=torch.long)
@@ -88,10 +89,12 @@ class _Table:
         expert parallelism their places in this rank's share)."""
         return experts if self._share is None else self._share[experts]
 
-    def rows(self, experts: torch.Tensor, places: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pointer table int64 [k, 4] and formats int32 [k, 2] of `experts` (int64 [k]), whose
-        weights are at `places` (their rows, `held`, or their cache slots)."""
-        table = torch.cat([self.by_place[places], self.by_expert[self.held(experts)]], dim=1)
+    def rows(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pointer table int64 [k, 4] and formats int32 [k, 2] of `experts` (int64 [k]): their
+        weights at their rows (`held`) or, streamed, at the cache slots they are fetched into now."""
+        held = self.held(experts)
+        places = held if self._stream is None else self._stream.slot_ids(experts).long()
+        table = torch.cat([self.by_place[places], self.by_expert[held]], dim=1)
         return table, self.per_k(len(experts))[0]
 
     def per_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,13 +181,13 @@ class CpuBackend(TorchBackend):
         trace: LayerTrace,
     ) -> torch.Tensor:
         """One native call (`tokens_forward`: a call per group of streamed experts); one token's
-        decode step by the shortest way there (`token_forward`), the same call."""
+        decode step by the shortest way there (`_one_token`), the same call."""
         with trace.stage("experts", x.device):
             if x.shape[0] == 1:
-                return self.token_forward(x, ids, weights, experts, act)
+                return self._one_token(x, ids, weights, experts, act)
             return self.tokens_forward(x, ids, weights, experts, act, ws)
 
-    def token_forward(
+    def _one_token(
         self,
         x: torch.Tensor,
         ids: torch.Tensor,
@@ -197,8 +200,7 @@ class CpuBackend(TorchBackend):
         step's experts are fetched together, the cache holding at least k slots a layer)."""
         table = _table(experts)
         ids = ids.reshape(-1)
-        places = table.held(ids) if experts.stream is None else experts.stream.slot_ids(ids).long()
-        pointers, formats = table.rows(ids, places)
+        pointers, formats = table.rows(ids)
         slots = table.per_k(len(ids))[1]
         step = cpu.ExpertTable(pointers, formats, table.intermediate)
         routed = (slots, weights.float().reshape(1, -1).contiguous())
@@ -248,14 +250,11 @@ class CpuBackend(TorchBackend):
         groups = [torch.unique(ids)] if stream is None else [torch.tensor(g) for g in stream.groups()]
         out = out.zero_() if out is not None else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
         for group in groups:  # ascending ids, each call adding onto the sums so far
-            if stream is None:
-                places = table.held(group)
-            else:
+            if stream is not None:
                 stream.tensors(int(group[0]))  # fetches the group (the previous one released)
-                places = stream.slot_ids(group).long()
             at = torch.searchsorted(group, ids).clamp(max=len(group) - 1)  # [T, k]: index in the group
             slot_expert = torch.where(group[at] == ids, at, -1).to(torch.int32)
-            pointers, formats = table.rows(group, places)
+            pointers, formats = table.rows(group)
             step = cpu.ExpertTable(pointers, formats, table.intermediate)
             cpu.moe_decode_table(x, step, (slot_expert, weights), act, self.int8_activations, out=out)
         return out

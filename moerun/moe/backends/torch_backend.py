@@ -188,45 +188,22 @@ class TorchBackend(Backend):
         sum of each token's expert outputs [T, H] fp32, summed in plan order (its experts ascending).
         One token: matrix-vector products; many: the batched plan, rows by expert, the combine.
         `trace` times the stages (MOERUN_TRACE)."""
-        with trace.stage("plan", x.device):
-            if x.shape[0] == 1:
-                token = self.token_plan(ids, weights, experts.layer_name)
-            else:
-                plan = self.batch_plan(ids, weights, experts.gate_up.shape[0])
         if x.shape[0] == 1:
+            with trace.stage("plan", x.device):
+                token = self.token_plan(ids, weights, experts.layer_name)
             with trace.stage("experts", x.device):  # the experts and their ordered sum
                 return self.token_forward(x[0], token, experts, act)[None]
+        with trace.stage("plan", x.device):
+            plan = self.batch_plan(ids, weights, experts.gate_up.shape[0])
         with trace.stage("experts", x.device):
             rows = self.expert_rows(x, plan, experts, act, ws)  # [T*k, H] fp32
         with trace.stage("combine", x.device):
             return self.combine(rows, plan, ws)
 
-    def token_forward(self, x: torch.Tensor, plan, experts: ExpertWeights, act: Activation) -> torch.Tensor:
-        """One token x [H] with its plan -> the weighted sum of its experts' outputs [H] fp32."""
-        return token_forward(x, plan, experts, act)
-
-    def token_plan(self, ids: torch.Tensor, weights: torch.Tensor, layer_name: str):
-        """One token's ids [1, k] and weights -> its plan (experts ascending, checked distinct)."""
-        return build_token_plan(ids, weights, layer_name)
-
-    def batch_plan(self, ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
-        """ids [T, k] and weights [T, k] -> the batched plan over `num_experts` experts."""
-        return build_plan(ids, weights, num_experts)
-
-    def expert_rows(
-        self,
-        x: torch.Tensor,
-        plan: BatchedPlan,
-        experts: ExpertWeights,
-        act: Activation,
-        ws: Workspace,
-        only: Collection[int] | None = None,
-    ) -> torch.Tensor:
-        """`expert_rows` (this module's function)."""
-        return expert_rows(x, plan, experts, act, ws, only)
-
-    def combine(self, rows: torch.Tensor, plan, ws: Workspace) -> torch.Tensor:
-        return combine(rows, plan, ws)
-
-    def shared_expert(self, x: torch.Tensor, t: Mapping[str, torch.Tensor], act: Activation) -> torch.Tensor:
-        return shared_expert(x, t, act)
+    # the stages are this module's functions; the other backends override those their kernels run
+    token_plan = staticmethod(build_token_plan)  # (ids [1, k], weights, layer name) -> TokenPlan
+    batch_plan = staticmethod(build_plan)  # (ids [T, k], weights [T, k], num experts) -> BatchedPlan
+    token_forward = staticmethod(token_forward)  # (x [H], plan, experts, act) -> [H] fp32
+    expert_rows = staticmethod(expert_rows)  # (x, plan, experts, act, ws, only=None) -> rows
+    combine = staticmethod(combine)  # (rows, plan, ws) -> [T, H] fp32
+    shared_expert = staticmethod(shared_expert)  # (x, tensors, act) -> [T, H] fp32

@@ -142,14 +142,9 @@ class TritonBackend(TorchBackend):
     name = "triton"
     streams_prefill = False  # one grouped GEMM reads every touched expert at once
 
-    def unsupported(self, experts: ExpertWeights) -> str | None:
-        return unsupported(experts)
-
-    def token_plan(self, ids: torch.Tensor, weights: torch.Tensor, layer_name: str) -> DeviceTokenPlan:
-        return token_plan(ids, weights, layer_name)
-
-    def batch_plan(self, ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> DevicePlan:
-        return batch_plan(ids, weights, num_experts)
+    unsupported = staticmethod(unsupported)
+    token_plan = staticmethod(token_plan)  # on the device: no host read-back
+    batch_plan = staticmethod(batch_plan)
 
     def token_forward(
         self, x: torch.Tensor, plan: DeviceTokenPlan, experts: ExpertWeights, act: Activation

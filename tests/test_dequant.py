@@ -31,6 +31,20 @@ FP16_FIELDS = {
     "q6_k": (208,),
     "mxfp4": (),
     "mxfp4_gpt_oss": (),
+    "q4_1": (0, 2),
+    "q5_0": (0,),
+    "q5_1": (0, 2),
+    "iq4_nl": (0,),
+    "iq2_xxs": (0,),
+    "iq2_xs": (0,),
+    "iq2_s": (0,),
+    "iq3_xxs": (0,),
+    "iq3_s": (0,),
+    "iq1_s": (0,),
+    "iq4_xs": (0,),
+    "tq1_0": (52,),
+    "tq2_0": (64,),
+    # iq1_m's d is spread over the top nibbles of its last 8 bytes: any bytes there give any d
 }
 # Logical shapes in blocks per row: one block, several blocks in a row, several rows, [E, out, in].
 SHAPES_IN_BLOCKS = [(1, 1), (1, 3), (5, 2), (3, 4, 2)]
@@ -188,6 +202,23 @@ def test_k4_scales_and_mins_match_gguf():
     assert torch.equal(ours_mins, torch.from_numpy(mins.astype(np.uint8)))
 
 
+# The i-quants' and ternary formats' parts (moerun.quant.iquants.SuperBlocks): sub-blocks, the range of
+# their integer scales and of the quants, from each format's layout (e.g. IQ2's odd scales 2s + 1 of a
+# 4-bit s, its signed grid values up to 0x2b; IQ1's 8 * grid value ± 1).
+SUPER_BLOCK_PARTS = {
+    "iq2_xxs": (8, 1, 31, -43, 43),
+    "iq2_xs": (16, 1, 31, -43, 43),
+    "iq2_s": (16, 1, 31, -43, 43),
+    "iq3_xxs": (8, 1, 31, -62, 62),
+    "iq3_s": (8, 1, 31, -15, 15),
+    "iq1_s": (8, 1, 15, -9, 9),
+    "iq1_m": (16, 1, 15, -9, 9),
+    "iq4_xs": (8, -32, 31, -127, 113),
+    "tq1_0": (1, 1, 1, -1, 1),
+    "tq2_0": (1, 1, 1, -1, 2),  # code 3, which no quantiser writes, is worth 2
+}
+
+
 def _reconstruct(name: str, blocks: torch.Tensor) -> torch.Tensor:
     """Values [N, block_size] in float64 from an unpack function's parts, by its docstring's formula;
     checks each part's dtype, shape and range on the way."""
@@ -203,6 +234,22 @@ def _reconstruct(name: str, blocks: torch.Tensor) -> torch.Tensor:
         offset = 0 if dmin is None else dmin.double()[:, None] * mins.double().repeat_interleave(size, -1)
         return step * q.double() - offset
 
+    if name in SUPER_BLOCK_PARTS:
+        d, scales, q = dequant.iquants.UNPACKERS[name](blocks)
+        n_sub, slo, shi, qlo, qhi = SUPER_BLOCK_PARTS[name]
+        check(scales, torch.int16, (n, n_sub), slo, shi)
+        check(q, torch.int8, (n, 256), qlo, qhi)
+        assert d.dtype == torch.float32 and d.shape == (n,)
+        return sub_blocks(d, scales, q)
+    if name in ("q4_1", "q5_1"):
+        d, m, q = getattr(dequant, f"unpack_{name}")(blocks)
+        check(q, torch.uint8, (n, 32), 0, 15 if name == "q4_1" else 31)
+        assert d.dtype == m.dtype == torch.float32 and d.shape == m.shape == (n,)
+        return d.double()[:, None] * q.double() + m.double()[:, None]
+    if name in ("q5_0", "iq4_nl"):
+        d, q = getattr(dequant, f"unpack_{name}")(blocks)
+        check(q, torch.int8, (n, 32), -16 if name == "q5_0" else -127, 15 if name == "q5_0" else 113)
+        return d.double()[:, None] * q.double()
     if name in ("q4_0", "q8_0"):
         d, q = getattr(dequant, f"unpack_{name}")(blocks)
         check(q, torch.int8, (n, 32), -8 if name == "q4_0" else -128, 7 if name == "q4_0" else 127)

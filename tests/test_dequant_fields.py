@@ -12,7 +12,38 @@ from moerun.quant import dequant
 from moerun.quant.dequant import dequantize_bytes
 from moerun.quant.formats import FORMATS
 
-GGUF_NAMES = ["q8_0", "q4_0", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+GGUF_NAMES = [name for name, f in FORMATS.items() if f.ggml_type is not None and not f.is_float]
+
+
+def _le_fields(data: np.ndarray, size: int) -> np.ndarray:
+    return data.copy().view({2: "<u2", 4: "<u4"}[size]).astype(np.int64)
+
+
+def grid_indices(name: str, data: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """Every grid index in blocks [N, block_bytes] of an i-quant, read straight from the layout in
+    ggml-common.h, and how many entries its grid has; None for formats without a grid."""
+    if name == "iq2_xxs":
+        return data[:, 2:66].reshape(-1, 8, 8)[:, :, 0:4], 256
+    if name == "iq2_xs":
+        return _le_fields(data[:, 2:66], 2) & 511, 512
+    if name == "iq2_s":
+        qh = np.stack([(data[:, 66:74] >> s) & 3 for s in (0, 2, 4, 6)], -1).reshape(-1, 32)
+        return data[:, 2:34].astype(np.int64) | qh.astype(np.int64) << 8, 1024
+    if name == "iq3_xxs":
+        return data[:, 2:66], 256
+    if name == "iq3_s":
+        qh = np.stack([(data[:, 66:74] >> s) & 1 for s in range(8)], -1).reshape(-1, 64)
+        return data[:, 2:66].astype(np.int64) | qh.astype(np.int64) << 8, 512
+    if name == "iq1_s":
+        qh = _le_fields(data[:, 34:50], 2)
+        top = np.stack([(qh >> (3 * k)) & 7 for k in range(4)], -1).reshape(-1, 32)
+        return data[:, 2:34].astype(np.int64) | top << 8, 2048
+    if name == "iq1_m":
+        nib = np.stack([data[:, 32:48] & 7, (data[:, 32:48] >> 4) & 7], -1).reshape(-1, 32)
+        return data[:, 0:32].astype(np.int64) | nib.astype(np.int64) << 8, 2048
+    return None
+
+
 # fp16 scales beyond finite_fp16_bits' specials: ±inf, signalling and quiet NaNs with assorted payloads.
 F16_NONFINITE = np.array([0x7C00, 0xFC00, 0x7C01, 0xFC01, 0x7E00, 0xFE00, 0x7D55, 0x7FFF, 0xFFFF], np.uint16)
 
@@ -66,8 +97,11 @@ def test_any_fp16_scales_against_gguf(name, shape_in_blocks):
 def test_every_field_value_against_gguf(name):
     """Enough random blocks that every scale, min, quant and E8M0 byte takes each of its values."""
     fmt = FORMATS[name]
-    n_blocks = 4096 if fmt.block_size == 32 else 512
+    n_blocks = 4096
     data = blocks_with_any_fp16(name, n_blocks, seed=1)
+    grid = grid_indices(name, data)
+    if grid is not None:  # every grid entry (and so, with 4096 blocks, every 7-bit sign index too)
+        assert set(np.unique(grid[0])) == set(range(grid[1]))
     if name == "mxfp4":
         assert set(np.unique(data[:, 0])) == set(range(256))  # every E8M0 scale
     elif name in ("q4_k", "q5_k"):

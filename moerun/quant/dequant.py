@@ -14,11 +14,12 @@ runs on the device that holds the bytes.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 
 import torch
 
+from moerun.quant import iquants
+from moerun.quant.bitfields import f16_to_f32, fp16, reinterpret, split_bits
 from moerun.quant.formats import FLOAT_DTYPES, FormatError, QFormat, QTensor
 
 F32 = torch.float32
@@ -31,44 +32,6 @@ CHUNK_ELEMENTS = 1 << 22
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
-# ---------------------------------------------------------------- bytes and bit fields
-
-
-def _reinterpret(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Little-endian bytes uint8 [..., k * size] as `dtype` [..., k], the bits unchanged."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if sys.byteorder == "big":
-        data = data.unflatten(-1, (-1, size)).flip(-1).flatten(-2)
-    # view(dtype) needs a contiguous last dim and a storage offset aligned to the new element size;
-    # slices of blocks (a scale field inside each block) are neither, so they are copied first.
-    if not data.is_contiguous() or data.storage_offset() % size:
-        data = data.clone(memory_format=torch.contiguous_format)
-    return data.view(dtype)
-
-
-def _fp16(field: torch.Tensor) -> torch.Tensor:
-    """An fp16 field, bytes [..., 2], as its exact value in float32 [...]."""
-    return _f16_to_f32(_reinterpret(field, torch.float16).squeeze(-1))
-
-
-def _f16_to_f32(h: torch.Tensor) -> torch.Tensor:
-    """float16 [...] -> float32 [...], exactly, NaN payloads included: torch's cast turns every NaN
-    into one canonical NaN, while numpy (and so the gguf package) keeps the sign and mantissa bits."""
-    values = h.to(F32)
-    nan = torch.isnan(values)
-    if not nan.any():  # weights hold no NaN: skip the bit surgery below
-        return values
-    # A NaN's float32 bits are its fp16 bits shifted up by 13 (the sign-extended int16 fills the
-    # sign and the top exponent bits with copies of the sign), with the exponent's top 3 bits set.
-    nan_bits = (h.view(torch.int16).to(torch.int32) << 13) | 0x70000000
-    return torch.where(nan, nan_bits, values.view(torch.int32)).view(F32)
-
-
-def _split_bits(x: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
-    """uint8 [..., m] -> [..., len(shifts), m]: the field (x >> shift) & mask for each shift."""
-    return torch.stack([(x >> s) & mask for s in shifts], dim=-2)
-
-
 # ---------------------------------------------------------------- unpacking: integer parts per format
 # Each takes blocks uint8 [..., block_bytes] (any leading dims, written `...` below) and returns the
 # block's integer parts; the block's values are the formula in its docstring, element by element.
@@ -79,17 +42,58 @@ def unpack_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     d: float32 [...], the fp16 scale (exact). q: int8 [..., 32] in [-8, 7]; byte j of the 16 after d
     holds element j in its low nibble and element j + 16 in its high nibble, both offset by 8."""
-    d = _fp16(blocks[..., 0:2])
-    nibbles = _split_bits(blocks[..., 2:18], (0, 4), 0x0F)  # [..., 2, 16]
+    d = fp16(blocks[..., 0:2])
+    nibbles = split_bits(blocks[..., 2:18], (0, 4), 0x0F)  # [..., 2, 16]
     q = nibbles.flatten(-2).to(torch.int8) - 8
     return d, q
+
+
+def unpack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 blocks [..., 20] -> (d, m, q); value = d * q + m.
+
+    d, m: float32 [...], the fp16 scale and min (exact). q: uint8 [..., 32] in [0, 15], nibbles as
+    Q4_0's (byte j: element j low, j + 16 high), with no offset."""
+    q = split_bits(blocks[..., 4:20], (0, 4), 0x0F).flatten(-2)
+    return fp16(blocks[..., 0:2]), fp16(blocks[..., 2:4]), q
+
+
+def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's quants uint8 [..., 32] in [0, 31]: nibbles as Q4_0's, topped with bit j of the
+    little-endian uint32 `qh` (bytes [..., 4]) for element j."""
+    high = split_bits(qh, tuple(range(8)), 0x01).transpose(-1, -2).flatten(-2)  # [..., 32]
+    return split_bits(qs, (0, 4), 0x0F).flatten(-2) | high << 4
+
+
+def unpack_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 blocks [..., 22] -> (d, q); value = d * q.
+
+    d: float32 [...], the fp16 scale (exact). q: int8 [..., 32] in [-16, 15]: the 5-bit field of
+    `_five_bit` (qh: bytes 2-5, nibbles: bytes 6-21) minus 16."""
+    return fp16(blocks[..., 0:2]), _five_bit(blocks[..., 2:6], blocks[..., 6:22]).to(torch.int8) - 16
+
+
+def unpack_q5_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_1 blocks [..., 24] -> (d, m, q); value = d * q + m.
+
+    d, m: float32 [...], the fp16 scale and min (exact). q: uint8 [..., 32] in [0, 31], the 5-bit
+    field of `_five_bit` (qh: bytes 4-7, nibbles: bytes 8-23)."""
+    return fp16(blocks[..., 0:2]), fp16(blocks[..., 2:4]), _five_bit(blocks[..., 4:8], blocks[..., 8:24])
+
+
+def unpack_iq4_nl(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_NL blocks [..., 18] -> (d, q); value = d * q.
+
+    d: float32 [...], the fp16 scale (exact). q: int8 [..., 32], IQ4NL_VALUES (moerun.quant.iq_tables)
+    of the 4-bit codes, nibbles as Q4_0's."""
+    codes = split_bits(blocks[..., 2:18], (0, 4), 0x0F).flatten(-2)
+    return fp16(blocks[..., 0:2]), iquants.iq4nl_values(codes)
 
 
 def unpack_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 blocks [..., 34] -> (d, q); value = d * q.
 
     d: float32 [...], the fp16 scale (exact). q: int8 [..., 32]."""
-    return _fp16(blocks[..., 0:2]), blocks[..., 2:34].view(torch.int8)
+    return fp16(blocks[..., 0:2]), blocks[..., 2:34].view(torch.int8)
 
 
 def unpack_q2_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -100,8 +104,8 @@ def unpack_q2_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     [0, 15] (low and high nibble of each of the first 16 bytes). q: uint8 [..., 256] in [0, 3]; each
     half of 128 elements takes 32 bytes, whose 2-bit fields at shifts 0, 2, 4, 6 are its 4 runs of 32."""
     packed_scales, qs = blocks[..., 0:16], blocks[..., 16:80]
-    d, dmin = _fp16(blocks[..., 80:82]), _fp16(blocks[..., 82:84])
-    q = _split_bits(qs.unflatten(-1, (2, 32)), (0, 2, 4, 6), 0x03)  # [..., half, shift, 32]
+    d, dmin = fp16(blocks[..., 80:82]), fp16(blocks[..., 82:84])
+    q = split_bits(qs.unflatten(-1, (2, 32)), (0, 2, 4, 6), 0x03)  # [..., half, shift, 32]
     return d, dmin, packed_scales & 0x0F, packed_scales >> 4, q.flatten(-3)
 
 
@@ -113,14 +117,14 @@ def unpack_q3_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     2-bit fields of bytes 8-11). q: int8 [..., 256] in [-4, 3]: 2 low bits as in Q2_K, minus 4 where
     the element's bit in `hmask` (bit g of byte i % 32 for run g = i // 32) is clear."""
     hmask, qs, packed_scales = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
-    d = _fp16(blocks[..., 108:110])
+    d = fp16(blocks[..., 108:110])
 
-    low = _split_bits(packed_scales[..., 0:8], (0, 4), 0x0F).flatten(-2)  # [..., 16]
-    high = _split_bits(packed_scales[..., 8:12], (0, 2, 4, 6), 0x03).flatten(-2)  # [..., 16]
+    low = split_bits(packed_scales[..., 0:8], (0, 4), 0x0F).flatten(-2)  # [..., 16]
+    high = split_bits(packed_scales[..., 8:12], (0, 2, 4, 6), 0x03).flatten(-2)  # [..., 16]
     scales = (low | high << 4).to(torch.int8) - 32
 
-    low_bits = _split_bits(qs.unflatten(-1, (2, 32)), (0, 2, 4, 6), 0x03).flatten(-3)  # [..., 256]
-    high_bit = _split_bits(hmask, tuple(range(8)), 0x01).flatten(-2)  # [..., 256]
+    low_bits = split_bits(qs.unflatten(-1, (2, 32)), (0, 2, 4, 6), 0x03).flatten(-3)  # [..., 256]
+    high_bit = split_bits(hmask, tuple(range(8)), 0x01).flatten(-2)  # [..., 256]
     # A set high bit means no offset: ggml subtracts 4 only where the bit is 0.
     q = low_bits.to(torch.int8) - ((high_bit ^ 1) << 2).to(torch.int8)
     return d, scales, q
@@ -144,9 +148,9 @@ def unpack_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     d, dmin: float32 [...], the fp16 super-block scales (exact). scales, mins: uint8 [..., 8] in
     [0, 63]. q: uint8 [..., 256] in [0, 15]; each 32 bytes hold sub-block 2k in their low nibbles and
     2k + 1 in their high nibbles."""
-    d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+    d, dmin = fp16(blocks[..., 0:2]), fp16(blocks[..., 2:4])
     scales, mins = _unpack_k4_scales(blocks[..., 4:16])
-    q = _split_bits(blocks[..., 16:144].unflatten(-1, (4, 32)), (0, 4), 0x0F).flatten(-3)
+    q = split_bits(blocks[..., 16:144].unflatten(-1, (4, 32)), (0, 4), 0x0F).flatten(-3)
     return d, dmin, scales, mins, q
 
 
@@ -155,11 +159,11 @@ def unpack_q5_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
     d, dmin, scales, mins: as `unpack_q4_k`. q: uint8 [..., 256] in [0, 31]: Q4_K's 4 low bits (from
     the last 128 bytes) plus a fifth, bit s of byte i % 32 of the 32 `qh` bytes for sub-block s."""
-    d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+    d, dmin = fp16(blocks[..., 0:2]), fp16(blocks[..., 2:4])
     scales, mins = _unpack_k4_scales(blocks[..., 4:16])
     qh, qs = blocks[..., 16:48], blocks[..., 48:176]
-    low = _split_bits(qs.unflatten(-1, (4, 32)), (0, 4), 0x0F).flatten(-3)
-    high = _split_bits(qh, tuple(range(8)), 0x01).flatten(-2)
+    low = split_bits(qs.unflatten(-1, (4, 32)), (0, 4), 0x0F).flatten(-3)
+    high = split_bits(qh, tuple(range(8)), 0x01).flatten(-2)
     return d, dmin, scales, mins, low | high << 4
 
 
@@ -172,9 +176,9 @@ def unpack_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     runs 0-31, 32-63, 64-95, 96-127)."""
     ql, qh = blocks[..., 0:128], blocks[..., 128:192]
     scales = blocks[..., 192:208].view(torch.int8)
-    d = _fp16(blocks[..., 208:210])
-    low = _split_bits(ql.unflatten(-1, (2, 64)), (0, 4), 0x0F).flatten(-2)  # [..., half, 128]
-    high = _split_bits(qh.unflatten(-1, (2, 32)), (0, 2, 4, 6), 0x03).flatten(-2)  # [..., half, 128]
+    d = fp16(blocks[..., 208:210])
+    low = split_bits(ql.unflatten(-1, (2, 64)), (0, 4), 0x0F).flatten(-2)  # [..., half, 128]
+    high = split_bits(qh.unflatten(-1, (2, 32)), (0, 2, 4, 6), 0x03).flatten(-2)  # [..., half, 128]
     q = (low | high << 4).flatten(-2).to(torch.int8) - 32
     return d, scales, q
 
@@ -184,7 +188,7 @@ def unpack_mxfp4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     e: uint8 [...], the E8M0 scale byte. codes: uint8 [..., 32] E2M1 codes in [0, 15]; byte j of the
     16 after e holds element j in its low nibble and element j + 16 in its high nibble."""
-    return blocks[..., 0], _split_bits(blocks[..., 1:17], (0, 4), 0x0F).flatten(-2)
+    return blocks[..., 0], split_bits(blocks[..., 1:17], (0, 4), 0x0F).flatten(-2)
 
 
 def unpack_mxfp4_gpt_oss(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +217,26 @@ def _dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
 def _dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     d, q = unpack_q8_0(blocks)
+    return d[:, None] * q.to(F32)
+
+
+def _dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m, q = unpack_q4_1(blocks)
+    return d[:, None] * q.to(F32) + m[:, None]
+
+
+def _dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d, q = unpack_q5_0(blocks)
+    return d[:, None] * q.to(F32)
+
+
+def _dequant_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m, q = unpack_q5_1(blocks)
+    return d[:, None] * q.to(F32) + m[:, None]
+
+
+def _dequant_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    d, q = unpack_iq4_nl(blocks)
     return d[:, None] * q.to(F32)
 
 
@@ -277,7 +301,11 @@ def _dequant_mxfp4_gpt_oss(blocks: torch.Tensor) -> torch.Tensor:
 
 BLOCK_DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "q4_0": _dequant_q4_0,
+    "q4_1": _dequant_q4_1,
+    "q5_0": _dequant_q5_0,
+    "q5_1": _dequant_q5_1,
     "q8_0": _dequant_q8_0,
+    "iq4_nl": _dequant_iq4_nl,
     "q2_k": _dequant_q2_k,
     "q3_k": _dequant_q3_k,
     "q4_k": _dequant_q4_k,
@@ -285,7 +313,7 @@ BLOCK_DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "q6_k": _dequant_q6_k,
     "mxfp4": _dequant_mxfp4,
     "mxfp4_gpt_oss": _dequant_mxfp4_gpt_oss,
-}
+} | {name: functools.partial(iquants.dequant_super_blocks, name=name) for name in iquants.UNPACKERS}
 
 
 # ---------------------------------------------------------------- public entry points
@@ -310,11 +338,11 @@ def dequantize_bytes(fmt: QFormat, data: torch.Tensor, dtype: torch.dtype = torc
     out_shape = (*data.shape[:-1], row_bytes // fmt.block_bytes * fmt.block_size)
 
     if fmt.name in FLOAT_DTYPES:
-        values = _reinterpret(data, FLOAT_DTYPES[fmt.name])
+        values = reinterpret(data, FLOAT_DTYPES[fmt.name])
         if values.dtype == dtype:
             return values.clone(memory_format=torch.contiguous_format)
         if values.dtype == torch.float16:
-            return _f16_to_f32(values).to(dtype)
+            return f16_to_f32(values).to(dtype)
         return values.to(F32).to(dtype)
     if fmt.name not in BLOCK_DEQUANTIZERS:
         raise FormatError(

@@ -88,8 +88,8 @@ def write_gguf(path, alignment: int | None = None) -> dict[str, np.ndarray]:
         )
     for fmt, qtype in KQUANT.items():
         raws[f"w.{fmt}"] = (qtype, quantize(torch.randn(2, 256), fmt).data.numpy())
-    # Q8_1 is a ggml type that no file holds (ggml keeps activations in it) and moerun does not read.
-    raws["w.q8_1"] = (T.Q8_1, rng.integers(0, 256, size=(2, 2 * 40), dtype=np.uint8))
+    # Q8_K is a ggml type that no file holds (ggml keeps activations in it) and moerun does not read.
+    raws["w.q8_k"] = (T.Q8_K, rng.integers(0, 256, size=(2, 292), dtype=np.uint8))
     for name, (qtype, raw) in raws.items():
         w.add_tensor(name, raw, raw_dtype=qtype)
         written[name] = raw
@@ -188,11 +188,11 @@ def test_quantised_tensors_dequantise_as_gguf_does(written, fmt):
 def test_a_tensor_of_an_unsupported_type_can_be_inspected_but_not_read(written):
     path, arrays = written
     f = GGUFFile(path)
-    info = f.info("w.q8_1")
-    assert (info.type_name, info.format, info.shape) == ("Q8_1", None, (2, 64))
-    assert f.raw("w.q8_1").numpy().tobytes() == arrays["w.q8_1"].tobytes()
-    with pytest.raises(CheckpointError, match=r"tensor 'w.q8_1' has ggml type Q8_1 \(9\), which moerun") as e:
-        f.tensor("w.q8_1")
+    info = f.info("w.q8_k")
+    assert (info.type_name, info.format, info.shape) == ("Q8_K", None, (2, 256))
+    assert f.raw("w.q8_k").numpy().tobytes() == arrays["w.q8_k"].tobytes()
+    with pytest.raises(CheckpointError, match=r"tensor 'w.q8_k' has ggml type Q8_K \(15\), which moerun") as e:
+        f.tensor("w.q8_k")
     assert str(path) in str(e.value)
     with pytest.raises(CheckpointError, match="has no tensor named 'absent'"):
         f.info("absent")
@@ -240,7 +240,7 @@ def test_reading_and_writing_into_tensors_never_changes_the_file(written):
     f = GGUFFile(path)
     f.tensor("w.f32").fill_(3.0)
     f.tensor("w.q8_0").data.zero_()
-    f.raw("w.q8_1").fill_(1)
+    f.raw("w.q8_k").fill_(1)
     assert sha(path) == before
     assert torch.equal(GGUFFile(path).tensor("w.f32"), torch.from_numpy(arrays["w.f32"]))
 

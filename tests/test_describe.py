@@ -6,7 +6,7 @@ import sys
 
 from hf_models import make_model, save_gpt_oss_mxfp4, save_model
 
-from moerun.checkpoint.describe import describe
+from moerun.checkpoint.describe import describe, format_description
 from moerun.cli.main import main
 
 
@@ -104,3 +104,31 @@ def test_gguf_with_one_tensor_per_expert_counts_its_experts(tmp_path):
     assert d["tensors"]["blk.*.ffn_gate.*.weight"] == {"q8_0": c.num_hidden_layers * c.num_local_experts}
     # q8_0: 34 bytes per 32 weights, three [256, 256] projections per expert
     assert d["bytes_per_expert"] == 3 * c.intermediate_size * c.hidden_size // 32 * 34
+
+
+def test_gguf_file_type_and_bits_per_weight(tmp_path):
+    """The file type by llama.cpp's name (gguf's LlamaFileType names each one) and the bits per weight
+    from the tensors the gguf package's reader lists."""
+    import gguf
+    from gguf_from_hf import write_gguf
+
+    hf_model = make_model("olmoe", hidden_size=256, intermediate_size=256)
+    path = tmp_path / "model.gguf"
+    write_gguf(hf_model, path, "q4_k", down="q6_k", extra=lambda w: w.add_file_type(15))
+    d = describe(path)
+    assert d["file_type"] == gguf.LlamaFileType(15).name.removeprefix("MOSTLY_") == "Q4_K_M"
+    tensors = gguf.GGUFReader(path).tensors
+    expected = 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
+    assert abs(d["bits_per_weight"] - expected) < 1e-4
+    assert f"{expected:.2f} bits per weight" in format_description(d) and "Q4_K_M" in format_description(d)
+
+
+def test_every_llama_cpp_file_type_name():
+    import gguf
+
+    from moerun.checkpoint.describe import GGUF_FILE_TYPES
+
+    theirs = {int(t): t.name.removeprefix("MOSTLY_").removeprefix("ALL_") for t in gguf.LlamaFileType}
+    assert {k: v for k, v in theirs.items() if k in GGUF_FILE_TYPES} == GGUF_FILE_TYPES
+    # every type llama.cpp names, but "guessed" (a file type it worked out, never one written)
+    assert set(theirs) - set(GGUF_FILE_TYPES) == {1024}

@@ -27,6 +27,16 @@ _DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()} | {torch.ui
 
 Rows = list[tuple[str, str, tuple[int, ...], int]]  # (name, format, shape, bytes) per tensor
 
+# llama.cpp's names of a GGUF file's `general.file_type` (its llama_ftype, as `llama-quantize` lists
+# them), for the line a user compares with the file name they downloaded.
+GGUF_FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M",
+    18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S",
+    25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M",
+    32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE", 39: "NVFP4", 40: "Q1_0",
+}  # fmt: skip
+
 
 def _tensor_table(path: Path) -> tuple[str, ModelConfig, Rows, dict[str, str | None]]:
     """(file kind, config, rows, what `_gguf_text` or `_hf_text` says of its tokenizer)."""
@@ -54,6 +64,14 @@ def _tensor_table(path: Path) -> tuple[str, ModelConfig, Rows, dict[str, str | N
     return "safetensors", config, rows, _hf_text(directory)
 
 
+def _gguf_file_type(metadata: dict) -> str | None:
+    """The file's `general.file_type` by llama.cpp's name (None where absent)."""
+    ftype = metadata.get("general.file_type")
+    if not isinstance(ftype, int) or isinstance(ftype, bool):
+        return None
+    return GGUF_FILE_TYPES.get(ftype, f"unknown ({ftype})")
+
+
 def _gguf_text(metadata: dict) -> dict[str, str | None]:
     """Where a GGUF file's tokenizer and chat template are: its tokenizer.ggml.* and
     tokenizer.chat_template keys (None: absent)."""
@@ -64,6 +82,7 @@ def _gguf_text(metadata: dict) -> dict[str, str | None]:
         "tokenizer": f"tokenizer.ggml.* ({model}{size})" if isinstance(model, str) else None,
         "chat_template": "tokenizer.chat_template" if isinstance(template, str) and template else None,
         "tokenizer_note": None,
+        "file_type": _gguf_file_type(metadata),
     }
 
 
@@ -72,6 +91,7 @@ def _hf_text(directory: Path) -> dict[str, str | None]:
     reads them: tokenizer.json; chat_template.jinja, else tokenizer_config.json's chat_template (a
     string, or named templates with a "default"). A problem found on the way is the "tokenizer_note"."""
     found: dict[str, str | None] = {"tokenizer": None, "chat_template": None, "tokenizer_note": None}
+    found["file_type"] = None
     if (directory / "tokenizer.json").is_file():
         found["tokenizer"] = "tokenizer.json"
     elif (directory / "tokenizer.model").is_file():
@@ -107,6 +127,7 @@ def describe(path: str | os.PathLike) -> dict:
         group_bytes[pattern] += nbytes
     expert_bytes = sum(nbytes for name, _, _, nbytes in rows if _EXPERT_TENSOR.search(name))
     total = sum(nbytes for *_, nbytes in rows)
+    weights = sum(math.prod(shape) for _, _, shape, _ in rows)
     moe_layers = sum(config.moe_layers)
     experts = moe_layers * config.moe.num_experts
     attn = config.attention
@@ -136,6 +157,8 @@ def describe(path: str | os.PathLike) -> dict:
         "expert_bytes": expert_bytes,
         "other_bytes": total - expert_bytes,
         "weights_bytes": total,
+        # as llama.cpp's "BPW": every tensor's bytes over every tensor's elements
+        "bits_per_weight": round(8 * total / weights, 4) if weights else 0.0,
         "kv_cache_bytes_per_token_bf16": kv_bytes_per_token,
         "bytes_read_per_token": total
         - expert_bytes
@@ -161,8 +184,9 @@ def _text_line(d: dict) -> str:
 
 
 def format_description(d: dict) -> str:
+    file_type = f", {d['file_type']}" if d["file_type"] else ""
     lines = [
-        f"{d['path']} ({d['file_format']})",
+        f"{d['path']} ({d['file_format']}{file_type}, {d['bits_per_weight']:.2f} bits per weight)",
         f"architecture  {d['architecture']}: {d['layers']} layers ({d['moe_layers']} MoE), "
         f"hidden {d['hidden']}, vocab {d['vocab']}, context {d['context']}",
         f"attention     {d['attention']}",

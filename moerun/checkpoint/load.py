@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from moerun.checkpoint.hf import canonical_tensors
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.model import check_model_tensors
 from moerun.distributed import ExpertParallel
-from moerun.errors import CheckpointError, ConfigError, in_file, shorten
+from moerun.errors import CheckpointError, ConfigError, TensorError, in_file, quote, shorten
 from moerun.families import family
 from moerun.families.fields import CheckedConfig
 from moerun.loader import GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
@@ -35,6 +35,7 @@ from moerun.offload.budget import KV_RESERVE_TOKENS, auto_budget, free_device_me
 from moerun.offload.pieces import stand_ins
 from moerun.quant.cache import DequantCache
 from moerun.quant.formats import QTensor
+from moerun.quant.scales import first_nonfinite_block
 from moerun.text.tokenizer import Tokenizer
 
 # streamed expert projections: left as the file has them (the expert store converts on read)
@@ -264,6 +265,7 @@ class _Opened:
             config, tensors = gguf_model(
                 self.gguf, assemble=not streamed, share=share, experts_only=experts_only
             )
+            _refuse_nonfinite_scales(self.gguf, tensors, experts_too=not streamed)
             return config, tensors, [MappedFile(self.gguf.path, self.gguf.mapped)]
         loaded = _hf_model(self.root, self.hf, self.config, dtype, streamed, share, experts_only)
         return (self.config, *loaded)
@@ -280,6 +282,38 @@ class _Opened:
         if not (self.directory / "tokenizer.json").is_file():
             return None
         return _tokenizer(lambda: Tokenizer.from_hf_dir(self.directory), self.directory)
+
+
+def _refuse_nonfinite_scales(gguf: GGUFFile, tensors: Mapping[str, object], experts_too: bool) -> None:
+    """Refuses a quantised tensor the model holds (streamed experts: the store checks each expert as
+    it reads it) with a block whose fp16 scale is inf or NaN, which would make every logit NaN. The
+    message names the file's tensor and its block where the model's tensor is a view of the file."""
+    for name, t in tensors.items():
+        if not isinstance(t, QTensor) or t.data.is_meta or (".experts." in name and not experts_too):
+            continue
+        block = first_nonfinite_block(t.format, t.data)
+        if block is None:
+            continue
+        where, block = _file_block(gguf, t, block) or (f"tensor {quote(name)} ({t.format.name})", block)
+        raise TensorError(
+            f"{gguf.path}: {where}: block {block} has a scale that is not a number (inf or NaN); the "
+            "file is damaged or was written wrong."
+        )
+
+
+def _file_block(gguf: GGUFFile, t: QTensor, block: int) -> tuple[str, int] | None:
+    """("tensor NAME (format)", the block's index there) for block `block` of `t` (in row-major
+    order) where `t` is a view of the file; None for a copy."""
+    rows = t.data.shape[:-1]
+    row, column = divmod(block * t.format.block_bytes, t.data.shape[-1])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(row), rows)]
+    address = (
+        t.data.data_ptr() + sum(i * s for i, s in zip(index, t.data.stride()[:-1], strict=True)) + column
+    )
+    held = gguf.tensor_at(address)
+    if held is None:
+        return None
+    return f"tensor {quote(held[0])} ({t.format.name})", held[1] // t.format.block_bytes
 
 
 def _expert_cache(

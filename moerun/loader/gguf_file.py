@@ -277,6 +277,15 @@ class GGUFFile:
         """The whole file as uint8 [size] over its copy-on-write map (tensors are views of it)."""
         return self._data
 
+    def tensor_at(self, address: int) -> tuple[str, int] | None:
+        """(the name of the tensor whose bytes hold memory address `address`, the byte's offset in
+        it), or None where the address is not in one of this file's tensors (e.g. a copy)."""
+        offset = address - self._data.data_ptr()
+        for name, info in self._infos.items():
+            if info.nbytes is not None and info.offset <= offset < info.offset + info.nbytes:
+                return name, offset - info.offset
+        return None
+
     def release(self, name: str) -> None:
         """Give back the memory of a tensor already copied out of the map (see `release_pages`)."""
         info = self.info(name)

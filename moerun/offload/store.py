@@ -31,6 +31,7 @@ from moerun.loader.mapped import MappedFile
 from moerun.loader.reads import FileReader, FileReadError
 from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces
 from moerun.quant.formats import QFormat, QTensor
+from moerun.quant.scales import first_nonfinite_block
 
 Key = tuple[str, int]  # (layer name, expert id)
 PROJECTIONS = ("gate_up", "down")
@@ -266,10 +267,18 @@ class ExpertStore:
         total = 0
         for name, dest in dests.items():
             where = f"expert {e} of {layer}.experts.{name}"
+            source = self.sources[layer][name]
             try:
-                total += self.sources[layer][name].read_into(e, dest, self.files, where)
+                total += source.read_into(e, dest, self.files, where)
             except FileReadError as err:
                 raise ExpertReadError(str(err)) from err
+            fmt = source.pieces.format
+            if fmt is not None and (block := first_nonfinite_block(fmt, dest)) is not None:
+                files = ", ".join(sorted(map(str, source.files))) or "host copy"
+                raise ExpertReadError(
+                    f"{files}: {where}: block {block} has a scale that is not a number "
+                    "(inf or NaN); the file is damaged or was written wrong."
+                )
         return total
 
     def empty(self, layer: str, pin: bool = False) -> dict[str, torch.Tensor]:

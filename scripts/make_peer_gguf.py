@@ -16,7 +16,9 @@ Rerun the comparison (llama-cpp-python installed: `pip install llama-cpp-python`
     .venv/bin/moerun bench --model /tmp/peer-q4_k_m.gguf --peer llama.cpp
 
 `--ftype f16` writes the F16 file only (no llama.cpp needed); `--layers`, `--experts` and the other
-shape options change the shapes.
+shape options change the shapes. llama.cpp writes IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M only with an
+importance matrix; `--random-experts iq2_xxs` (say, with `--ftype q4_k_m`) puts random valid blocks
+of that format in the routed experts after llama.cpp quantised the rest.
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ import gguf
 import numpy as np
 
 # llama.cpp's llama_ftype values (include/llama.h), by the names llama-quantize takes
-FTYPES = {"q8_0": 7, "q4_k_m": 15, "q6_k": 18, "mxfp4": 38}
+FTYPES = {
+    "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_m": 12, "q4_k_m": 15,
+    "q5_k_m": 17, "q6_k": 18, "iq3_xxs": 23, "iq4_nl": 25, "iq3_s": 26, "iq3_m": 27, "iq4_xs": 30,
+    "tq1_0": 36, "tq2_0": 37, "mxfp4": 38,
+}  # fmt: skip
+# Expert formats llama.cpp writes only with an importance matrix: `--random-experts` puts random valid
+# blocks of one of them in every routed expert tensor of a file llama.cpp quantised otherwise.
+RANDOM_EXPERT_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m")
 ARCH = "qwen3moe"
 
 
@@ -161,6 +170,53 @@ def quantize(f16: Path, out: Path, ftype: str, threads: int = 0) -> None:
         raise SystemExit(f"make_peer_gguf: llama.cpp failed to quantise {f16} to {ftype} (status {status}).")
 
 
+def random_blocks(fmt: str, rows: int, row_elements: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid `fmt` blocks uint8 [rows, row_bytes]: every byte random but the fp16 scale d,
+    which is set so that the values have about the spread of N(0, 0.02) weights (IQ1_M keeps d in
+    the top nibbles of its last 4 uint16)."""
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * row_elements // block, size), dtype=np.uint8)
+    d = np.float16(0.0005 if fmt.startswith("iq2") else 0.002)
+    if fmt == "iq1_m":
+        bits = int(d.view(np.uint16))
+        words = blocks[:, 48:56].copy().view("<u2") & 0x0FFF
+        for k in range(4):
+            words[:, k] |= ((bits >> (4 * k)) & 0xF) << 12
+        blocks[:, 48:56] = words.view(np.uint8)
+    else:
+        blocks[:, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def with_random_experts(src: Path, out: Path, fmt: str, seed: int) -> None:
+    """`src` copied to `out` with every routed expert tensor (ffn_{gate,up,down}_exps) replaced by
+    random valid `fmt` blocks of the same shape."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(out), ARCH)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, value, field.types[0])
+    rng = np.random.default_rng(seed)
+    for t in reader.tensors:
+        shape = [int(x) for x in reversed(t.shape.tolist())]  # torch order: the row last
+        if "_exps." in t.name:
+            data = random_blocks(fmt, int(np.prod(shape[:-1])), shape[-1], rng)
+            qtype = gguf.GGMLQuantizationType[fmt.upper()]
+            writer.add_tensor(t.name, data.reshape(*shape[:-1], -1), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def check_loads(path: Path) -> str:
     """Load `path` with moerun; a one-line description of what it found."""
     import torch
@@ -186,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="llama.cpp's quantiser threads (0: all)")
     parser.add_argument("--no-check", action="store_true", help="skip loading the result with moerun")
+    parser.add_argument(
+        "--random-experts",
+        choices=RANDOM_EXPERT_TYPES,
+        help="then replace the routed experts by random valid blocks of this format (formats llama.cpp "
+        "writes only with an importance matrix)",
+    )
     args = parser.parse_args(argv)
     shape = PeerShape(**{f: getattr(args, f) for f in asdict(PeerShape())})
     if args.out.exists():
@@ -204,6 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"quantised to {args.ftype}: {args.out} ({size:.2f} GiB) in {time.perf_counter() - start:.0f} s"
         )
+    if args.random_experts:
+        base = args.out.with_name(args.out.stem + ".base.gguf")
+        args.out.rename(base)
+        try:
+            with_random_experts(base, args.out, args.random_experts, args.seed)
+        finally:
+            base.unlink()
+        print(f"routed experts replaced by random {args.random_experts} blocks: {args.out}")
     if not args.no_check:
         print(check_loads(args.out))
     return 0

@@ -83,7 +83,12 @@ def _add_model_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--peer",
         choices=["llama.cpp"],
-        help="with --model FILE.gguf: llama.cpp on the same file in the same run (needs llama-cpp-python)",
+        help="with --model FILE.gguf: llama.cpp on the same file in the same run (needs llama-cpp-python). "
+        "Where the CPU reports AMX but the VM does not enable it, llama.cpp's AMX path dies with a "
+        'general protection fault on quantised files: build it without AMX, CMAKE_ARGS="-DGGML_NATIVE=OFF '
+        "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON -DGGML_FMA=ON "
+        '-DGGML_F16C=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install '
+        "llama-cpp-python",
     )
     bench.add_argument("--repeats", type=int, default=3, help="with --model: repetitions of each measurement")
     bench.add_argument(

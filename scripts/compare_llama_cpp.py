@@ -85,13 +85,12 @@ class GgmlTensor(ctypes.Structure):
     ]
 
 
-def _copy(t: GgmlTensor) -> np.ndarray:
-    """A host tensor's values, [ne3, ne2, ne1, ne0] (ggml's dims reversed), strides honoured."""
+def _copy(t: GgmlTensor) -> np.ndarray | None:
+    """A host tensor's values, [ne3, ne2, ne1, ne0] (ggml's dims reversed), strides honoured; None
+    where its dims make no sense (a ggml_tensor laid out otherwise than GgmlTensor reads it)."""
     ne, nb = list(t.ne), list(t.nb)
-    if min(ne) < 1 or max(ne) > 1 << 31:
-        raise SystemExit(
-            "compare_llama_cpp: this llama.cpp's ggml_tensor layout is not the one this script reads."
-        )
+    if min(ne) < 1 or max(ne) > 1 << 31 or not t.data:
+        return None
     extent = sum((n - 1) * b for n, b in zip(ne, nb, strict=True)) + np.dtype(GGML_TYPES[t.type]).itemsize
     raw = np.frombuffer((ctypes.c_char * extent).from_address(t.data), dtype=GGML_TYPES[t.type])
     return np.lib.stride_tricks.as_strided(raw, shape=ne[::-1], strides=nb[::-1]).copy()
@@ -108,10 +107,10 @@ def llama_cpp_run(path: Path, ids: list[int], threads: int) -> tuple[torch.Tenso
             "llama.cpp for minutes)."
         ) from None
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # as llama_cpp.Llama(verbose=False)
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, np.ndarray | None] = {}
 
     @llama_cpp.ggml_backend_sched_eval_callback
-    def keep(pointer, ask, _user):
+    def keep(pointer, ask, _user):  # an exception here would be lost in ctypes: None marks a bad read
         t = ctypes.cast(pointer, ctypes.POINTER(GgmlTensor)).contents
         name = t.name.decode(errors="replace")
         if ask:
@@ -121,6 +120,8 @@ def llama_cpp_run(path: Path, ids: list[int], threads: int) -> tuple[torch.Tenso
         return True
 
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        raise SystemExit(f"compare_llama_cpp: llama.cpp could not load {path}.")
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = params.n_batch = params.n_ubatch = len(ids)
     params.n_threads = params.n_threads_batch = threads
@@ -129,6 +130,9 @@ def llama_cpp_run(path: Path, ids: list[int], threads: int) -> tuple[torch.Tenso
     params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     params.yarn_attn_factor, params.yarn_beta_fast, params.yarn_beta_slow = 1.0, 32.0, 1.0
     ctx = llama_cpp.llama_init_from_model(model, params)
+    if not ctx:
+        llama_cpp.llama_model_free(model)
+        raise SystemExit(f"compare_llama_cpp: llama.cpp could not make a context for {path}.")
     batch = llama_cpp.llama_batch_init(len(ids), 0, 1)
     try:
         for i, token in enumerate(ids):
@@ -150,6 +154,12 @@ def llama_cpp_run(path: Path, ids: list[int], threads: int) -> tuple[torch.Tenso
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
+    unread = [name for name, values in tensors.items() if values is None]
+    if unread or not tensors:
+        raise SystemExit(
+            f"compare_llama_cpp: this llama.cpp's ggml_tensor is laid out otherwise than GgmlTensor reads it "
+            f"({', '.join(unread[:3]) or 'no tensor'} unread)."
+        )
     return logits, tensors
 
 
@@ -325,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                 + rope_distance(own, tensors, T)
             )
             print("   the same, the range rounded as llama.cpp rounds it: " + rope_distance(like, tensors, T))
+        else:
+            print("2. no YaRN: the two rotate alike (q after RoPE, block by block below)")
         print(
             "3. each block on llama.cpp's input for it (moerun: int8 activations"
             + (", llama.cpp's YaRN range)" if yarn else ")")

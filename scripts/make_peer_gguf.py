@@ -1,9 +1,14 @@
-"""Write a Qwen3-MoE-shaped GGUF file for `moerun bench --model FILE --peer llama.cpp`.
+"""Write a Qwen3-MoE- or GPT-OSS-shaped GGUF file for `moerun bench --model FILE --peer llama.cpp`.
 
-The layer shapes are Qwen3-30B-A3B's (hidden 2048, expert intermediate 768, 32 query heads and 4 KV
-heads of head_dim 128, top-8 routing), with 64 experts, 4 layers and a 32000-token vocabulary, so
-the file is small enough to make and run in minutes yet reads like the real model per layer. Weights
-are random, N(0, 0.02) in F16 (norms 1, the router in F32 as llama.cpp keeps it); the vocabulary is a
+qwen3moe (the default): Qwen3-30B-A3B's layer shapes (hidden 2048, expert intermediate 768, 32 query
+heads and 4 KV heads of head_dim 128, top-8 routing), with 64 experts, 4 layers and a 32000-token
+vocabulary, so the file is small enough to make and run in minutes yet reads like the real model per
+layer. `--arch gpt-oss`: gpt-oss-20b's layer shapes (hidden and expert intermediate 2880, 64 query
+heads and 8 KV heads of 64, 32 experts top-4) and the metadata its converted files carry (YaRN factor
+32 from an original context of 4096, rope base 150000, a sliding window of 128 on every other layer),
+with attention biases and sinks, router and expert biases; 4 layers, a 32000-token vocabulary. Weights
+are random, N(0, 0.02) in F16 (norms 1, the router in F32 as llama.cpp keeps it; biases N(0, 0.02) and
+sinks N(0, 1) in F32); the vocabulary is a
 SentencePiece-style one (<unk> <s> </s>, the 256 <0xNN> byte tokens, ▁ (a space), then letter strings
 with and without it in front) that llama.cpp and moerun both read. The F16 file is written with the
 `gguf` package and then quantised by llama.cpp itself (`llama_cpp.llama_model_quantize`, as
@@ -16,7 +21,8 @@ Rerun the comparison (llama-cpp-python installed: `pip install llama-cpp-python`
     .venv/bin/moerun bench --model /tmp/peer-q4_k_m.gguf --peer llama.cpp
 
 `--ftype f16` writes the F16 file only (no llama.cpp needed); `--layers`, `--experts` and the other
-shape options change the shapes. llama.cpp writes IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M only with an
+shape options change the shapes (`--ftype mxfp4` is llama.cpp's MXFP4_MOE: experts MXFP4, the rest
+q8_0, as gpt-oss files ship). llama.cpp writes IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M only with an
 importance matrix; `--random-experts iq2_xxs` (say, with `--ftype q4_k_m`) puts random valid blocks
 of that format in the routed experts after llama.cpp quantised the rest.
 """
@@ -28,7 +34,7 @@ import ctypes
 import itertools
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -43,11 +49,12 @@ FTYPES = {
 # Expert formats llama.cpp writes only with an importance matrix: `--random-experts` puts random valid
 # blocks of one of them in every routed expert tensor of a file llama.cpp quantised otherwise.
 RANDOM_EXPERT_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m")
-ARCH = "qwen3moe"
+ARCHS = ("qwen3moe", "gpt-oss")
 
 
 @dataclass(frozen=True)
 class PeerShape:
+    arch: str = "qwen3moe"
     hidden: int = 2048
     expert_intermediate: int = 768
     heads: int = 32
@@ -59,6 +66,22 @@ class PeerShape:
     vocab: int = 32000
     context: int = 4096
     dense_intermediate: int = 6144  # Qwen3-30B-A3B's intermediate_size (no layer uses it)
+
+
+# gpt-oss-20b's layer shapes and context (its vocabulary has 201088 tokens; 4 of its 24 layers)
+GPT_OSS_20B = PeerShape(
+    arch="gpt-oss",
+    hidden=2880,
+    expert_intermediate=2880,
+    heads=64,
+    kv_heads=8,
+    head_dim=64,
+    experts=32,
+    top_k=4,
+    context=131072,
+    dense_intermediate=2880,
+)
+DEFAULT_SHAPES = {"qwen3moe": PeerShape(), "gpt-oss": GPT_OSS_20B}
 
 
 def vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
@@ -81,32 +104,41 @@ def vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
 def _tensors(shape: PeerShape) -> list[tuple[str, tuple[int, ...], type]]:
     """(name, torch-order shape, numpy dtype) of every tensor, in file order."""
     H, I, E, q, kv = shape.hidden, shape.expert_intermediate, shape.experts, shape.heads, shape.kv_heads
-    d = shape.head_dim
-    out = [("token_embd.weight", (shape.vocab, H), np.float16)]
+    d, f32, f16 = shape.head_dim, np.float32, np.float16
+    gpt_oss = shape.arch == "gpt-oss"
+    out = [("token_embd.weight", (shape.vocab, H), f16)]
     for i in range(shape.layers):
         b = f"blk.{i}."
-        out += [
-            (b + "attn_norm.weight", (H,), np.float32),
-            (b + "attn_q.weight", (q * d, H), np.float16),
-            (b + "attn_k.weight", (kv * d, H), np.float16),
-            (b + "attn_v.weight", (kv * d, H), np.float16),
-            (b + "attn_output.weight", (H, q * d), np.float16),
-            (b + "attn_q_norm.weight", (d,), np.float32),
-            (b + "attn_k_norm.weight", (d,), np.float32),
-            (b + "ffn_norm.weight", (H,), np.float32),
-            (b + "ffn_gate_inp.weight", (E, H), np.float32),  # llama.cpp never quantises the router
-            (b + "ffn_gate_exps.weight", (E, I, H), np.float16),
-            (b + "ffn_up_exps.weight", (E, I, H), np.float16),
-            (b + "ffn_down_exps.weight", (E, H, I), np.float16),
+        attention = [
+            (b + "attn_q.weight", (q * d, H), f16),
+            (b + "attn_k.weight", (kv * d, H), f16),
+            (b + "attn_v.weight", (kv * d, H), f16),
+            (b + "attn_output.weight", (H, q * d), f16),
         ]
-    return out + [("output_norm.weight", (H,), np.float32), ("output.weight", (shape.vocab, H), np.float16)]
+        experts = [
+            (b + "ffn_gate_exps.weight", (E, I, H), f16),
+            (b + "ffn_up_exps.weight", (E, I, H), f16),
+            (b + "ffn_down_exps.weight", (E, H, I), f16),
+        ]
+        router = [(b + "ffn_gate_inp.weight", (E, H), f32)]  # llama.cpp never quantises the router
+        if gpt_oss:  # biases everywhere, sinks; its MLP norm is named post_attention_norm
+            attention += [(name[:-6] + "bias", dims[:1], f32) for name, dims, _ in attention]
+            attention.append((b + "attn_sinks.weight", (q,), f32))
+            router.append((b + "ffn_gate_inp.bias", (E,), f32))
+            experts += [(name[:-6] + "bias", dims[:2], f32) for name, dims, _ in experts]
+            norms = [(b + "post_attention_norm.weight", (H,), f32)]
+        else:
+            attention += [(b + "attn_q_norm.weight", (d,), f32), (b + "attn_k_norm.weight", (d,), f32)]
+            norms = [(b + "ffn_norm.weight", (H,), f32)]
+        out += [(b + "attn_norm.weight", (H,), f32), *attention, *norms, *router, *experts]
+    return out + [("output_norm.weight", (H,), f32), ("output.weight", (shape.vocab, H), f16)]
 
 
 def write_f16_gguf(path: str | Path, shape: PeerShape = PeerShape(), seed: int = 0) -> Path:
     """Write the model as F16 (norms and routers F32) to `path`, one tensor at a time."""
     path = Path(path)
-    writer = gguf.GGUFWriter(str(path), ARCH)
-    writer.add_name(f"peer-{ARCH}-{shape.layers}x{shape.experts}")
+    writer = gguf.GGUFWriter(str(path), shape.arch)
+    writer.add_name(f"peer-{shape.arch}-{shape.layers}x{shape.experts}")
     writer.add_block_count(shape.layers)
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
@@ -116,8 +148,16 @@ def write_f16_gguf(path: str | Path, shape: PeerShape = PeerShape(), seed: int =
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
-    writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(1e-6)
+    if shape.arch == "gpt-oss":  # GptOssModel.set_gguf_parameters, from gpt-oss-20b's config.json
+        writer.add_rope_freq_base(150000.0)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_sliding_window(128)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
+    else:
+        writer.add_rope_freq_base(1e6)
+        writer.add_layer_norm_rms_eps(1e-6)
     writer.add_expert_count(shape.experts)
     writer.add_expert_used_count(shape.top_k)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -144,6 +184,8 @@ def write_f16_gguf(path: str | Path, shape: PeerShape = PeerShape(), seed: int =
     for name, dims, dtype in tensors:
         if name.endswith("norm.weight"):
             data = np.ones(dims, dtype)
+        elif name.endswith("attn_sinks.weight"):
+            data = rng.standard_normal(dims, dtype=np.float32)
         else:  # one expert (or the whole matrix) at a time keeps the float32 draw small
             data = np.empty(dims, dtype)
             for part in data.reshape(-1, *dims[-2:]) if len(dims) == 3 else [data]:
@@ -193,7 +235,8 @@ def with_random_experts(src: Path, out: Path, fmt: str, seed: int) -> None:
     """`src` copied to `out` with every routed expert tensor (ffn_{gate,up,down}_exps) replaced by
     random valid `fmt` blocks of the same shape."""
     reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(str(out), ARCH)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
@@ -237,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="the GGUF file to write")
     parser.add_argument("--ftype", choices=["f16", *FTYPES], default="q4_k_m")
-    for field, default in asdict(PeerShape()).items():
-        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3moe", help="whose shapes and metadata")
+    for field in asdict(PeerShape()):
+        if field != "arch":
+            defaults = ", ".join(f"{getattr(s, field)} ({arch})" for arch, s in DEFAULT_SHAPES.items())
+            parser.add_argument(f"--{field.replace('_', '-')}", type=int, help=f"default: {defaults}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="llama.cpp's quantiser threads (0: all)")
     parser.add_argument("--no-check", action="store_true", help="skip loading the result with moerun")
@@ -249,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         "writes only with an importance matrix)",
     )
     args = parser.parse_args(argv)
-    shape = PeerShape(**{f: getattr(args, f) for f in asdict(PeerShape())})
+    given = {f: getattr(args, f) for f in asdict(PeerShape()) if f != "arch"}
+    shape = replace(DEFAULT_SHAPES[args.arch], **{f: v for f, v in given.items() if v is not None})
     if args.out.exists():
         raise SystemExit(f"make_peer_gguf: {args.out} exists; it is not overwritten.")
     f16 = args.out if args.ftype == "f16" else args.out.with_name(args.out.stem + ".f16.gguf")

@@ -2,6 +2,7 @@
 loads), the peer-model script's GGUF writer (before llama.cpp quantises: a file moerun loads with the
 shapes asked for), and, when llama-cpp-python is installed, the whole comparison on a tiny file."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from moerun.checkpoint.load import load
 from moerun.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from make_peer_gguf import PeerShape, quantize, vocabulary, write_f16_gguf  # noqa: E402
+from make_peer_gguf import GPT_OSS_20B, PeerShape, quantize, vocabulary, write_f16_gguf  # noqa: E402
 
 TINY = PeerShape(
     hidden=64,
@@ -85,6 +86,21 @@ def test_the_script_writes_a_file_moerun_loads_with_the_shapes_asked_for(tiny_f1
     assert tokens[:4] == ["<unk>", "<s>", "</s>", "<0x00>"] and len(set(tokens)) == 300
     text = "ab ba"
     assert model.tokenizer.decode(model.tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_the_script_writes_gpt_oss_with_the_metadata_its_converted_files_carry(tmp_path):
+    small = dict(hidden=64, expert_intermediate=32, heads=4, kv_heads=2, head_dim=16, experts=8, layers=3)
+    shape = dataclasses.replace(GPT_OSS_20B, vocab=300, **small)
+    model = load(write_f16_gguf(tmp_path / "gpt-oss.f16.gguf", shape), dtype=torch.float32)
+    c, a = model.config, model.config.attention
+    assert (c.model_type, c.num_layers, c.moe.num_experts, c.moe.top_k) == ("gpt_oss", 3, 8, 4)
+    assert c.sliding_windows == (128, None, 128) and a.sinks and a.qkv_bias and a.o_bias
+    rope = a.rope
+    assert (rope.kind, rope.theta, rope.factor, rope.original_max_positions) == ("yarn", 150000.0, 32.0, 4096)
+    assert not rope.truncate  # as gpt-oss was trained (moerun.checkpoint.gguf's docstring)
+    moe = model.mlps[0].tensors
+    assert {"router.bias", "experts.gate_up_bias", "experts.down_bias"} <= set(moe)
+    assert model.attentions[0].t["sinks"].abs().max() > 0.1  # N(0, 1), not the N(0, 0.02) of weights
 
 
 @pytest.mark.slow

@@ -63,9 +63,18 @@ def _random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> QTensor:
     fields["q5_k"] = [(0, 1e-4), (2, 1e-4)]
     fields["q2_k"] = [(80, 1e-3), (82, 1e-3)]
     fields["q3_k"] = [(108, 5e-4)]
+    fields |= {"q4_1": [(0, 1e-2), (2, 1e-2)], "q5_0": [(0, 5e-3)], "q5_1": [(0, 5e-3), (2, 5e-3)]}
+    fields |= {"iq4_nl": [(0, 5e-4)], "iq4_xs": [(0, 2e-5)], "tq1_0": [(52, 5e-2)], "tq2_0": [(64, 5e-2)]}
+    fields |= {name: [(0, 3e-4)] for name in ("iq2_xxs", "iq2_xs", "iq2_s")}
+    fields |= {"iq3_xxs": [(0, 1e-4)], "iq3_s": [(0, 1e-4)], "iq1_s": [(0, 3e-3)]}
     for offset, scale in fields.get(fmt, []):
         d = (torch.rand(data.shape[:-1], generator=gen) + 0.5) * scale
         data[..., offset : offset + 2] = d.half().view(torch.uint8).reshape(*d.shape, 2)
+    if fmt == "iq1_m":  # d's 16 bits: the top nibbles of bytes 49, 51, 53, 55, lowest first
+        d = ((torch.rand(data.shape[:-1], generator=gen) + 0.5) * 3e-3).half().view(torch.int16).int()
+        for j in range(4):
+            nibble = ((d >> (4 * j)) & 0x0F).to(torch.uint8)
+            data[..., 49 + 2 * j] = (data[..., 49 + 2 * j] & 0x0F) | (nibble << 4)
     if fmt == "mxfp4":
         data[..., 0] = torch.randint(120, 125, data.shape[:-1], generator=gen, dtype=torch.uint8)
     return QTensor(f, (S, n, k), data.reshape(S, n, -1).to(DEVICE))
@@ -91,6 +100,8 @@ def _float_case(fmt: str) -> tuple[int, int]:
 
 
 FLOAT_FORMATS = ["f32", "bf16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4"]
+FLOAT_FORMATS += ["q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0"]
+FLOAT_FORMATS += ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"]
 
 
 @pytest.mark.parametrize("fmt", FLOAT_FORMATS)
@@ -327,6 +338,19 @@ def test_decode_step_q8_1(gate_up_fmt, down_fmt, act):
     assert rel_err(out, combine_token(token_rows(*ref))) < 2e-2
 
 
-def test_decode_step_quantised_float_path():
-    step, ref = _step_case("q4_k", "q6_k", "silu", True, 2)
+@pytest.mark.parametrize(
+    "gate_up_fmt,down_fmt", [("q4_k", "q6_k"), ("iq2_xxs", "q5_1"), ("iq4_xs", "iq1_m"), ("tq1_0", "iq3_s")]
+)
+def test_decode_step_quantised_float_path(gate_up_fmt, down_fmt):
+    step, ref = _step_case(gate_up_fmt, down_fmt, "silu", True, 2)
     assert rel_err(decode.decode_step(*step), combine_token(token_rows(*ref))) < 1e-5
+
+
+def test_decode_step_q8_1_takes_floats_for_formats_without_an_integer_kernel():
+    """With use_q8_1, a projection whose format has no q8_1 kernel (iq2_s, tq2_0) reads float activations:
+    the step is the float step's, bit for bit, when neither projection has one."""
+    step, _ = _step_case("iq2_s", "tq2_0", "gpt_oss", True, 2)
+    assert torch.equal(decode.decode_step(*step, use_q8_1=True), decode.decode_step(*step))
+    step, _ = _step_case("q4_k", "iq2_s", "silu", False, 2)  # gate_up integer, down float
+    out = decode.decode_step(*step, use_q8_1=True)
+    assert rel_err(out, decode.decode_step_reference(*step, use_q8_1=True)) < 1e-4

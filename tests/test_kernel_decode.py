@@ -18,6 +18,7 @@ if not torch.cuda.is_available():  # before triton is imported; on a GPU the com
 pytest.importorskip("triton")
 
 from conftest import rel_err  # noqa: E402
+from random_blocks import random_blocks  # noqa: E402
 
 from moerun.activations import GLU, GptOssSwiGLU  # noqa: E402
 from moerun.kernels import decode, decode_q8_1  # noqa: E402
@@ -55,29 +56,7 @@ def _table(k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 @functools.cache
 def _random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> QTensor:
     """A QTensor [S, n, k] of random bytes whose scale fields hold values that keep |w| near 0.05."""
-    f = get_format(fmt)
-    gen = _gen(seed)
-    data = torch.randint(0, 256, (S, n, k // f.block_size, f.block_bytes), generator=gen, dtype=torch.uint8)
-    # byte offset of each fp16 scale in a block, and its size
-    fields = {"q8_0": [(0, 1e-3)], "q4_0": [(0, 1e-2)], "q4_k": [(0, 2e-4), (2, 2e-4)], "q6_k": [(208, 5e-5)]}
-    fields["q5_k"] = [(0, 1e-4), (2, 1e-4)]
-    fields["q2_k"] = [(80, 1e-3), (82, 1e-3)]
-    fields["q3_k"] = [(108, 5e-4)]
-    fields |= {"q4_1": [(0, 1e-2), (2, 1e-2)], "q5_0": [(0, 5e-3)], "q5_1": [(0, 5e-3), (2, 5e-3)]}
-    fields |= {"iq4_nl": [(0, 5e-4)], "iq4_xs": [(0, 2e-5)], "tq1_0": [(52, 5e-2)], "tq2_0": [(64, 5e-2)]}
-    fields |= {name: [(0, 3e-4)] for name in ("iq2_xxs", "iq2_xs", "iq2_s")}
-    fields |= {"iq3_xxs": [(0, 1e-4)], "iq3_s": [(0, 1e-4)], "iq1_s": [(0, 3e-3)]}
-    for offset, scale in fields.get(fmt, []):
-        d = (torch.rand(data.shape[:-1], generator=gen) + 0.5) * scale
-        data[..., offset : offset + 2] = d.half().view(torch.uint8).reshape(*d.shape, 2)
-    if fmt == "iq1_m":  # d's 16 bits: the top nibbles of bytes 49, 51, 53, 55, lowest first
-        d = ((torch.rand(data.shape[:-1], generator=gen) + 0.5) * 3e-3).half().view(torch.int16).int()
-        for j in range(4):
-            nibble = ((d >> (4 * j)) & 0x0F).to(torch.uint8)
-            data[..., 49 + 2 * j] = (data[..., 49 + 2 * j] & 0x0F) | (nibble << 4)
-    if fmt == "mxfp4":
-        data[..., 0] = torch.randint(120, 125, data.shape[:-1], generator=gen, dtype=torch.uint8)
-    return QTensor(f, (S, n, k), data.reshape(S, n, -1).to(DEVICE))
+    return random_blocks(fmt, (S, n, k), _gen(seed), DEVICE)
 
 
 def _float_weight(fmt: str, n: int, k: int, seed: int = 0) -> KernelWeight:

@@ -66,6 +66,11 @@ Q8_1_FORMATS = [
     "q4_k",
     "q5_k",
     "q6_k",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "iq4_nl",
+    "iq4_xs",
 ]  # as decode_q8_1.Q8_1_GROUP_BYTES
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -26,7 +26,7 @@ from moerun.kernels.weights import KernelWeight, kernel_weight  # noqa: E402
 from moerun.moe.backends.torch_backend import combine_token, token_rows  # noqa: E402
 from moerun.moe.experts import ExpertWeights  # noqa: E402
 from moerun.moe.plan import build_token_plan  # noqa: E402
-from moerun.quant import dequant  # noqa: E402
+from moerun.quant import dequant, iquants  # noqa: E402
 from moerun.quant.formats import QTensor, get_format  # noqa: E402
 from moerun.quant.q8_1 import Q8_1, quantize_q8_1  # noqa: E402
 
@@ -37,6 +37,7 @@ H, I = 97, 45  # float path: odd sizes
 SMALL = {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4}  # several K steps at these sizes
 ACTS = {"silu": GLU("silu"), "gpt_oss": GptOssSwiGLU(alpha=1.702, limit=7.0)}
 Q8_1_FORMATS = ["q8_0", "q4_0", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+Q8_1_FORMATS += ["q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs"]
 Q8_1_ROWS = decode.ActivationFormat.Q8_1
 
 
@@ -169,8 +170,8 @@ def test_sum_rows_in_order(k):
 
 def _magnitude(fmt: str, rows: torch.Tensor, act) -> torch.Tensor:
     """Per weight row [R]: the sum over elements of |each float term the dot product scales| times
-    |the dequantised activation| (for the k-quants with mins, |d sc q| + |dmin m| per element;
-    q4_0 adds 8 |d s| per block): a bound on every partial sum either computation forms."""
+    |the dequantised activation| (for the formats with mins, |d sc q| + |dmin m| per element;
+    q4_0 and q5_0 add 8 or 16 |d s| per block): a bound on every partial sum either computation forms."""
     f = get_format(fmt)
     blocks = rows.reshape(rows.shape[0], -1, f.block_bytes).cpu()
     a = act.dequantize().abs().cpu().reshape(blocks.shape[1], -1)  # [nb, block]
@@ -182,6 +183,19 @@ def _magnitude(fmt: str, rows: torch.Tensor, act) -> torch.Tensor:
         d, q = dequant.unpack_q4_0(blocks)
         w = d.abs()[..., None] * (q.float() + 8)
         extra = (8 * d.abs() * act.s.abs().cpu()).sum(-1)
+    elif fmt == "q5_0":
+        d, q = dequant.unpack_q5_0(blocks)
+        w = d.abs()[..., None] * (q.float() + 16)
+        extra = (16 * d.abs() * act.s.abs().cpu()).sum(-1)
+    elif fmt in ("q4_1", "q5_1"):
+        d, m, q = (dequant.unpack_q4_1 if fmt == "q4_1" else dequant.unpack_q5_1)(blocks)
+        w = d.abs()[..., None] * q.float() + m.abs()[..., None]
+    elif fmt == "iq4_nl":
+        d, q = dequant.unpack_iq4_nl(blocks)
+        w = d.abs()[..., None] * q.float().abs()
+    elif fmt == "iq4_xs":
+        d, sc, q = iquants.unpack_iq4_xs(blocks)
+        w = (d[..., None] * sc.float()).abs().repeat_interleave(32, -1) * q.float().abs()
     elif fmt == "mxfp4":
         e, codes = dequant.unpack_mxfp4(blocks)
         w = dequant.e8m0_half_scale(e)[..., None] * torch.tensor(dequant.MXFP4_VALUES).abs()[codes.long()]
@@ -306,7 +320,14 @@ def test_decode_step_float(gate_up_fmt, down_fmt, act, with_bias, k, tol):
 
 @pytest.mark.parametrize(
     "gate_up_fmt,down_fmt,act",
-    [("q4_k", "q6_k", "silu"), ("q6_k", "q8_0", "gpt_oss"), ("q8_0", "f32", "silu")],  # f32: float a
+    [
+        ("q4_k", "q6_k", "silu"),
+        ("q6_k", "q8_0", "gpt_oss"),
+        ("q8_0", "f32", "silu"),  # f32: float a
+        ("iq4_xs", "q5_1", "silu"),
+        ("q4_1", "iq4_nl", "gpt_oss"),
+        ("q5_0", "iq2_s", "silu"),  # iq2_s: float a
+    ],
 )
 def test_decode_step_q8_1(gate_up_fmt, down_fmt, act):
     step, ref = _step_case(gate_up_fmt, down_fmt, act, True, 2)

@@ -153,7 +153,7 @@ def _gemv(x, slots, experts, weights, w: KernelWeight, bias, config) -> torch.Te
         cfg = merge_config(GEMV_Q8_1_CONFIG, config)
         experts_gemv_q8_1_kernel[(k, triton.cdiv(w.n, cfg["BLOCK_N"]))](
             x.qs.contiguous(), x.d.contiguous(), x.s.contiguous(), x_row_stride, slots, experts, weights_ptr,
-            w.data, w.row_stride, w.expert_stride, bias_ptr, out, w.n, w.k,
+            w.data, w.row_stride, w.expert_stride, w.table, bias_ptr, out, w.n, w.k,
             **flags, GROUP_BYTES=Q8_1_GROUP_BYTES[w.fmt], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )  # fmt: skip
         return out

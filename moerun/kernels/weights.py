@@ -91,25 +91,25 @@ def load_weight_tile(w_ptr, row_stride, n_offs, k_offs, N, K, table_ptr, FMT: tl
         row = w_ptr + n * row_stride  # [1, BN]
         if FMT == Q8_0:
             i = k % 32
-            blk = w_ptr + n * row_stride + (k // 32) * 34
+            blk = row + (k // 32) * 34
             tile = fp16(blk, mask) * int8(blk + 2 + i, mask)
         elif FMT == Q4_0:
             i = k % 32
-            blk = w_ptr + n * row_stride + (k // 32) * 18
+            blk = row + (k // 32) * 18
             q = (byte(blk + 2 + i % 16, mask) >> ((i // 16) * 4)) & 0x0F
             tile = fp16(blk, mask) * (q - 8).to(tl.float32)
         elif FMT == Q4_1:
             i = k % 32
-            blk = w_ptr + n * row_stride + (k // 32) * 20
+            blk = row + (k // 32) * 20
             q = (byte(blk + 4 + i % 16, mask) >> ((i // 16) * 4)) & 0x0F
             tile = fp16(blk, mask) * q.to(tl.float32) + fp16(blk + 2, mask)
         elif FMT == Q5_0 or FMT == Q5_1:  # noqa: SIM109
             i = k % 32
             if FMT == Q5_0:
-                blk = w_ptr + n * row_stride + (k // 32) * 22
+                blk = row + (k // 32) * 22
                 qh = blk + 2
             else:
-                blk = w_ptr + n * row_stride + (k // 32) * 24
+                blk = row + (k // 32) * 24
                 qh = blk + 4
             # nibbles as Q4_0's after the 4 qh bytes; the fifth bit: bit i of qh read as a uint32
             q = (byte(qh + 4 + i % 16, mask) >> ((i // 16) * 4)) & 0x0F
@@ -120,12 +120,12 @@ def load_weight_tile(w_ptr, row_stride, n_offs, k_offs, N, K, table_ptr, FMT: tl
                 tile = fp16(blk, mask) * q.to(tl.float32) + fp16(blk + 2, mask)
         elif FMT == IQ4_NL:
             i = k % 32
-            blk = w_ptr + n * row_stride + (k // 32) * 18
+            blk = row + (k // 32) * 18
             code = (byte(blk + 2 + i % 16, mask) >> ((i // 16) * 4)) & 0x0F
             tile = fp16(blk, mask) * tl.load(table_ptr + code, mask=mask, other=0).to(tl.float32)
         elif FMT == MXFP4 or FMT == MXFP4_GPT_OSS:  # noqa: SIM109
             i = k % 32
-            blk = w_ptr + n * row_stride + (k // 32) * 17
+            blk = row + (k // 32) * 17
             if FMT == MXFP4:  # byte j: element j low, j + 16 high
                 code = (byte(blk + 1 + i % 16, mask) >> ((i // 16) * 4)) & 0x0F
             else:  # byte j: element 2j low, 2j + 1 high
@@ -135,10 +135,10 @@ def load_weight_tile(w_ptr, row_stride, n_offs, k_offs, N, K, table_ptr, FMT: tl
             i = k % 256
             s = i // 32  # sub-block
             if FMT == Q4_K:
-                blk = w_ptr + n * row_stride + (k // 256) * 144
+                blk = row + (k // 256) * 144
                 qs = blk + 16
             else:
-                blk = w_ptr + n * row_stride + (k // 256) * 176
+                blk = row + (k // 256) * 176
                 qs = blk + 48
             # 32 bytes per pair of sub-blocks: the even one in the low nibbles, the odd one high.
             q = (byte(qs + (i // 64) * 32 + i % 32, mask) >> ((s & 1) * 4)) & 0x0F
@@ -149,7 +149,7 @@ def load_weight_tile(w_ptr, row_stride, n_offs, k_offs, N, K, table_ptr, FMT: tl
         elif FMT == Q6_K:
             i = k % 256
             r = i % 128  # within a half of 64 ql bytes and 32 qh bytes
-            blk = w_ptr + n * row_stride + (k // 256) * 210
+            blk = row + (k // 256) * 210
             low = (byte(blk + (i // 128) * 64 + r % 64, mask) >> ((r // 64) * 4)) & 0x0F
             high = (byte(blk + 128 + (i // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)) & 0x03
             scale = int8(blk + 192 + i // 16, mask)
@@ -158,10 +158,10 @@ def load_weight_tile(w_ptr, row_stride, n_offs, k_offs, N, K, table_ptr, FMT: tl
             i = k % 256
             s = i // 16  # sub-block
             if FMT == Q2_K:
-                blk = w_ptr + n * row_stride + (k // 256) * 84
+                blk = row + (k // 256) * 84
                 qs = blk + 16
             else:
-                blk = w_ptr + n * row_stride + (k // 256) * 110
+                blk = row + (k // 256) * 110
                 qs = blk + 32
             # 32 bytes per half of 128 elements, whose 2-bit fields at shifts 0, 2, 4, 6 are its 4 runs.
             q = (byte(qs + (i // 128) * 32 + i % 32, mask) >> (((i // 32) % 4) * 2)) & 0x03

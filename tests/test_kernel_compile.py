@@ -53,7 +53,9 @@ ACTS = {
 INTERMEDIATE = 1536  # the GLU kinds' UP_OFFSET constexpr
 # names as in moerun.kernels.weights.FORMAT_NAMES (checked in test_cases_cover_every_format)
 FORMATS = [
-    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4", "mxfp4_gpt_oss", "q5_k", "q2_k", "q3_k"
+    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4", "mxfp4_gpt_oss", "q5_k", "q2_k", "q3_k",
+    "q4_1", "q5_0", "q5_1", "iq4_nl", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m",
+    "iq4_xs", "tq1_0", "tq2_0",
 ]  # fmt: skip
 Q8_1_FORMATS = [
     "q8_0",
@@ -64,6 +66,11 @@ Q8_1_FORMATS = [
     "q4_k",
     "q5_k",
     "q6_k",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "iq4_nl",
+    "iq4_xs",
 ]  # as decode_q8_1.Q8_1_GROUP_BYTES
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -72,7 +79,7 @@ POINTERS = {
     "sorted_rows_ptr": "i32", "block_experts_ptr": "i32", "inverse_ptr": "i32", "slots_ptr": "i32",
     "experts_ptr": "i32", "weights_ptr": "fp32", "row_weights_ptr": "fp32", "rows_ptr": "fp32",
     "out_ptr": "fp32", "y_ptr": "fp32", "h_ptr": "fp32", "qs_ptr": "i8", "d_ptr": "fp32", "s_ptr": "fp32",
-    "d8_ptr": "fp32", "s8_ptr": "fp32",
+    "d8_ptr": "fp32", "s8_ptr": "fp32", "table_ptr": "i8",
 }  # fmt: skip
 # Scalar arguments that are not int32 (the launchers pass python ints; expert strides can pass 2^31).
 SCALARS = {"alpha": "fp32", "limit": "fp32", "w_expert_stride": "i64", "expert_stride": "i64"}

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():  # before triton is imported; on a GPU the com
 pytest.importorskip("triton")
 
 from conftest import rel_err  # noqa: E402
+from random_blocks import random_blocks  # noqa: E402
 
 from moerun.activations import GLU, GptOssSwiGLU  # noqa: E402
 from moerun.kernels import decode, decode_q8_1  # noqa: E402
@@ -25,7 +26,7 @@ from moerun.kernels.weights import KernelWeight, kernel_weight  # noqa: E402
 from moerun.moe.backends.torch_backend import combine_token, token_rows  # noqa: E402
 from moerun.moe.experts import ExpertWeights  # noqa: E402
 from moerun.moe.plan import build_token_plan  # noqa: E402
-from moerun.quant import dequant  # noqa: E402
+from moerun.quant import dequant, iquants  # noqa: E402
 from moerun.quant.formats import QTensor, get_format  # noqa: E402
 from moerun.quant.q8_1 import Q8_1, quantize_q8_1  # noqa: E402
 
@@ -36,6 +37,7 @@ H, I = 97, 45  # float path: odd sizes
 SMALL = {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4}  # several K steps at these sizes
 ACTS = {"silu": GLU("silu"), "gpt_oss": GptOssSwiGLU(alpha=1.702, limit=7.0)}
 Q8_1_FORMATS = ["q8_0", "q4_0", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+Q8_1_FORMATS += ["q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs"]
 Q8_1_ROWS = decode.ActivationFormat.Q8_1
 
 
@@ -55,20 +57,7 @@ def _table(k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 @functools.cache
 def _random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> QTensor:
     """A QTensor [S, n, k] of random bytes whose scale fields hold values that keep |w| near 0.05."""
-    f = get_format(fmt)
-    gen = _gen(seed)
-    data = torch.randint(0, 256, (S, n, k // f.block_size, f.block_bytes), generator=gen, dtype=torch.uint8)
-    # byte offset of each fp16 scale in a block, and its size
-    fields = {"q8_0": [(0, 1e-3)], "q4_0": [(0, 1e-2)], "q4_k": [(0, 2e-4), (2, 2e-4)], "q6_k": [(208, 5e-5)]}
-    fields["q5_k"] = [(0, 1e-4), (2, 1e-4)]
-    fields["q2_k"] = [(80, 1e-3), (82, 1e-3)]
-    fields["q3_k"] = [(108, 5e-4)]
-    for offset, scale in fields.get(fmt, []):
-        d = (torch.rand(data.shape[:-1], generator=gen) + 0.5) * scale
-        data[..., offset : offset + 2] = d.half().view(torch.uint8).reshape(*d.shape, 2)
-    if fmt == "mxfp4":
-        data[..., 0] = torch.randint(120, 125, data.shape[:-1], generator=gen, dtype=torch.uint8)
-    return QTensor(f, (S, n, k), data.reshape(S, n, -1).to(DEVICE))
+    return random_blocks(fmt, (S, n, k), _gen(seed), DEVICE)
 
 
 def _float_weight(fmt: str, n: int, k: int, seed: int = 0) -> KernelWeight:
@@ -91,6 +80,8 @@ def _float_case(fmt: str) -> tuple[int, int]:
 
 
 FLOAT_FORMATS = ["f32", "bf16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4"]
+FLOAT_FORMATS += ["q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0"]
+FLOAT_FORMATS += ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"]
 
 
 @pytest.mark.parametrize("fmt", FLOAT_FORMATS)
@@ -179,8 +170,8 @@ def test_sum_rows_in_order(k):
 
 def _magnitude(fmt: str, rows: torch.Tensor, act) -> torch.Tensor:
     """Per weight row [R]: the sum over elements of |each float term the dot product scales| times
-    |the dequantised activation| (for the k-quants with mins, |d sc q| + |dmin m| per element;
-    q4_0 adds 8 |d s| per block): a bound on every partial sum either computation forms."""
+    |the dequantised activation| (for the formats with mins, |d sc q| + |dmin m| per element;
+    q4_0 and q5_0 add 8 or 16 |d s| per block): a bound on every partial sum either computation forms."""
     f = get_format(fmt)
     blocks = rows.reshape(rows.shape[0], -1, f.block_bytes).cpu()
     a = act.dequantize().abs().cpu().reshape(blocks.shape[1], -1)  # [nb, block]
@@ -192,6 +183,19 @@ def _magnitude(fmt: str, rows: torch.Tensor, act) -> torch.Tensor:
         d, q = dequant.unpack_q4_0(blocks)
         w = d.abs()[..., None] * (q.float() + 8)
         extra = (8 * d.abs() * act.s.abs().cpu()).sum(-1)
+    elif fmt == "q5_0":
+        d, q = dequant.unpack_q5_0(blocks)
+        w = d.abs()[..., None] * (q.float() + 16)
+        extra = (16 * d.abs() * act.s.abs().cpu()).sum(-1)
+    elif fmt in ("q4_1", "q5_1"):
+        d, m, q = (dequant.unpack_q4_1 if fmt == "q4_1" else dequant.unpack_q5_1)(blocks)
+        w = d.abs()[..., None] * q.float() + m.abs()[..., None]
+    elif fmt == "iq4_nl":
+        d, q = dequant.unpack_iq4_nl(blocks)
+        w = d.abs()[..., None] * q.float().abs()
+    elif fmt == "iq4_xs":
+        d, sc, q = iquants.unpack_iq4_xs(blocks)
+        w = (d[..., None] * sc.float()).abs().repeat_interleave(32, -1) * q.float().abs()
     elif fmt == "mxfp4":
         e, codes = dequant.unpack_mxfp4(blocks)
         w = dequant.e8m0_half_scale(e)[..., None] * torch.tensor(dequant.MXFP4_VALUES).abs()[codes.long()]
@@ -316,7 +320,14 @@ def test_decode_step_float(gate_up_fmt, down_fmt, act, with_bias, k, tol):
 
 @pytest.mark.parametrize(
     "gate_up_fmt,down_fmt,act",
-    [("q4_k", "q6_k", "silu"), ("q6_k", "q8_0", "gpt_oss"), ("q8_0", "f32", "silu")],  # f32: float a
+    [
+        ("q4_k", "q6_k", "silu"),
+        ("q6_k", "q8_0", "gpt_oss"),
+        ("q8_0", "f32", "silu"),  # f32: float a
+        ("iq4_xs", "q5_1", "silu"),
+        ("q4_1", "iq4_nl", "gpt_oss"),
+        ("q5_0", "iq2_s", "silu"),  # iq2_s: float a
+    ],
 )
 def test_decode_step_q8_1(gate_up_fmt, down_fmt, act):
     step, ref = _step_case(gate_up_fmt, down_fmt, act, True, 2)
@@ -327,6 +338,19 @@ def test_decode_step_q8_1(gate_up_fmt, down_fmt, act):
     assert rel_err(out, combine_token(token_rows(*ref))) < 2e-2
 
 
-def test_decode_step_quantised_float_path():
-    step, ref = _step_case("q4_k", "q6_k", "silu", True, 2)
+@pytest.mark.parametrize(
+    "gate_up_fmt,down_fmt", [("q4_k", "q6_k"), ("iq2_xxs", "q5_1"), ("iq4_xs", "iq1_m"), ("tq1_0", "iq3_s")]
+)
+def test_decode_step_quantised_float_path(gate_up_fmt, down_fmt):
+    step, ref = _step_case(gate_up_fmt, down_fmt, "silu", True, 2)
     assert rel_err(decode.decode_step(*step), combine_token(token_rows(*ref))) < 1e-5
+
+
+def test_decode_step_q8_1_takes_floats_for_formats_without_an_integer_kernel():
+    """With use_q8_1, a projection whose format has no q8_1 kernel (iq2_s, tq2_0) reads float activations:
+    the step is the float step's, bit for bit, when neither projection has one."""
+    step, _ = _step_case("iq2_s", "tq2_0", "gpt_oss", True, 2)
+    assert torch.equal(decode.decode_step(*step, use_q8_1=True), decode.decode_step(*step))
+    step, _ = _step_case("q4_k", "iq2_s", "silu", False, 2)  # gate_up integer, down float
+    out = decode.decode_step(*step, use_q8_1=True)
+    assert rel_err(out, decode.decode_step_reference(*step, use_q8_1=True)) < 1e-4

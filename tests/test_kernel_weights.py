@@ -34,6 +34,7 @@ def _read_tiles(
     expert,
     expert_stride,
     row_stride,
+    table_ptr,
     out_ptr,
     N,
     K,
@@ -45,7 +46,8 @@ def _read_tiles(
     per program (entries beyond N and K included, as load_weight_tile returns them)."""
     n_offs = tl.program_id(0) * BN + tl.arange(0, BN)
     k_offs = tl.program_id(1) * BK + tl.arange(0, BK)
-    tile = load_weight_tile(w_ptr + expert * expert_stride, row_stride, n_offs, k_offs, N, K, FMT)  # [BK, BN]
+    w_expert = w_ptr + expert * expert_stride
+    tile = load_weight_tile(w_expert, row_stride, n_offs, k_offs, N, K, table_ptr, FMT)  # [BK, BN]
     out_cols = tl.num_programs(1) * BK
     tl.store(out_ptr + n_offs[None, :] * out_cols + k_offs[:, None], tile)
 
@@ -56,7 +58,8 @@ def read_through_kernel(w, expert: int, bn: int, bk: int) -> torch.Tensor:
     grid = (triton.cdiv(w.n, bn), triton.cdiv(w.k, bk))
     out = torch.full((grid[0] * bn, grid[1] * bk), float("nan"), device=DEVICE)
     data = w.data.to(DEVICE)
-    _read_tiles[grid](data, expert, w.expert_stride, w.row_stride, out, w.n, w.k, w.fmt, bn, bk)
+    table = w.table.to(DEVICE)
+    _read_tiles[grid](data, expert, w.expert_stride, w.row_stride, table, out, w.n, w.k, w.fmt, bn, bk)
     out = out.cpu()
     padding = out.clone()
     padding[: w.n, : w.k] = 0.0

@@ -6,12 +6,13 @@ a = act.dequantize(), block b of 32 with float32 scale d32_b = amax_b / 127 and 
 - quantisation: |x_i - a_i| <= e_b = d32_b * (1/2 + 2^-16) + 127 * max(2^-11 * d32_b, 2^-25): roundf's
   half step, float32 rounding of x * (1 / d) (< 127 * 2^-23 quant steps), and d's fp16 rounding
   (half an fp16 ulp: relative 2^-11 when normal, 2^-25 absolute when subnormal) times |qs| <= 127.
-- q4_0 also uses s, which is off from d8 * sum(qs) by at most
-  2^-10 * d32 * |sum(qs)| + 2^-24 * (|sum(qs)| + 1) (both fp16 roundings), times 8 |d4| per block.
+- q4_0, q5_0, q4_1 and q5_1 also use s, which is off from d8 * sum(qs) by at most
+  2^-10 * d32 * |sum(qs)| + 2^-24 * (|sum(qs)| + 1) (both fp16 roundings), times |c| per block, c the
+  coefficient of s (-8 d or -16 d for the offsets of q4_0 and q5_0, the min m for q4_1 and q5_1).
 - float32 arithmetic in the integer path: 1e-5 * sum_i |w_i| * |x_i|, far above its 2^-24-per-operation
   error over a few hundred terms.
-So |dot - w.x| <= sum_i |w_i| e_b(i) [+ the q4_0 s term] + 1e-5 sum_i |w_i x_i|, and, against the
-dequantised activation, |dot - w.a - q4_0's exact s correction| <= 1e-6 * sum_i |w_i a_i|.
+So |dot - w.x| <= sum_i |w_i| e_b(i) [+ the s term] + 1e-5 sum_i |w_i x_i|, and, against the
+dequantised activation, |dot - w.a - the exact s correction| <= 1e-6 * sum_i |w_i a_i|.
 """
 
 import math
@@ -21,13 +22,15 @@ import numpy as np
 import pytest
 import torch
 
+from moerun.quant import dequant
 from moerun.quant.formats import FORMATS, FormatError, QTensor
 from moerun.quant.q8_1 import DOT_FORMATS, dot_q8_1, matvec_q8_1, quantize_q8_1
 
 N = 512  # two k-quant super-blocks, 16 q8_1 blocks
 ROWS = 8
-GGUF_QUANTISED = {"q8_0", "q4_0", "mxfp4"}  # formats gguf-py can quantise
+GGUF_QUANTISED = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"}  # formats gguf-py can quantise
 FP16_FIELDS = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+FP16_FIELDS |= {"iq4_nl": (0,), "iq4_xs": (0,)}
 
 
 def ggml_q8_1(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -125,7 +128,7 @@ def test_quantize_refuses_integers():
 
 
 def weight_bytes(name: str, seed: int) -> np.ndarray:
-    """uint8 [ROWS, row_bytes]: gguf-quantised random weights, or for k-quants random bytes whose fp16
+    """uint8 [ROWS, row_bytes]: gguf-quantised random weights, or for the others random bytes whose fp16
     d/dmin fields hold random finite values of either sign (magnitudes 1e-4..1), one zero, one subnormal."""
     rng = np.random.default_rng(100 + seed)
     fmt = FORMATS[name]
@@ -145,13 +148,22 @@ def gguf_weights(name: str, data: np.ndarray) -> np.ndarray:
     return gguf.quants.dequantize(data, gguf.GGMLQuantizationType(FORMATS[name].ggml_type)).astype(np.float64)
 
 
-def q4_0_s_terms(data: np.ndarray, act, d32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """q4_0 only: per row, the exact sum_b 8 d4_b (d8_b sum(qs_b) - s_b), and its bound."""
-    d4 = data.reshape(ROWS, -1, 18)[..., 0:2].copy().view("<f2")[..., 0].astype(np.float64)  # [R, nb]
+def s_terms(name: str, data: np.ndarray, act, d32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For the formats whose dot uses s: per row, the exact sum_b c_b (s_b - d8_b sum(qs_b)) by which
+    dot_q8_1 differs from the dot with the dequantised activation (c_b the coefficient of s_b: -8 d_b
+    for q4_0, -16 d_b for q5_0, the min m_b for q4_1 and q5_1), and its bound; 0 for the others."""
+    blocks = torch.from_numpy(data).reshape(ROWS, -1, FORMATS[name].block_bytes)
+    if name in ("q4_0", "q5_0"):
+        d = (dequant.unpack_q4_0 if name == "q4_0" else dequant.unpack_q5_0)(blocks)[0]
+        c = d.double().numpy() * (-8 if name == "q4_0" else -16)
+    elif name in ("q4_1", "q5_1"):
+        c = (dequant.unpack_q4_1 if name == "q4_1" else dequant.unpack_q5_1)(blocks)[1].double().numpy()
+    else:
+        return 0.0, 0.0
     qsum = act.qs.numpy().reshape(-1, 32).sum(-1).astype(np.float64)
     d8, s = act.d.numpy().astype(np.float64), act.s.numpy().astype(np.float64)
-    exact = (8 * d4 * (d8 * qsum - s)).sum(-1)
-    bound = (8 * np.abs(d4) * (2**-10 * d32 * np.abs(qsum) + 2**-24 * (np.abs(qsum) + 1))).sum(-1)
+    exact = (c * (s - d8 * qsum)).sum(-1)
+    bound = (np.abs(c) * (2**-10 * d32 * np.abs(qsum) + 2**-24 * (np.abs(qsum) + 1))).sum(-1)
     return exact, bound
 
 
@@ -167,7 +179,7 @@ def test_dot_against_gguf_float_dot(name, seed):
     ours = dot_q8_1(name, torch.from_numpy(data), act).numpy().astype(np.float64)
     assert ours.shape == (ROWS,)
 
-    s_exact, s_bound = q4_0_s_terms(data, act, d32) if name == "q4_0" else (0.0, 0.0)
+    s_exact, s_bound = s_terms(name, data, act, d32)
 
     # Against the dequantised q8_1 activation: the same numbers, up to float32 rounding.
     tol_a = 1e-6 * (np.abs(w) @ np.abs(a))
@@ -195,7 +207,7 @@ def test_dot_refuses_bad_inputs():
     act = quantize_q8_1(torch.from_numpy(activation(0)))
     good = torch.from_numpy(weight_bytes("q8_0", 0))
     with pytest.raises(FormatError):
-        dot_q8_1("q5_0", good, act)
+        dot_q8_1("iq2_xxs", good, act)
     with pytest.raises(FormatError):
         dot_q8_1("mxfp4_gpt_oss", good, act)
     with pytest.raises(FormatError):

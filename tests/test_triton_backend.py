@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import rel_err
 from hf_blocks import H, make_block, run_block
+from random_blocks import random_blocks
 from test_layer_oracle import CASES, _family
 
 from moerun.families.moe_block import layer_from_transformers
@@ -92,6 +93,25 @@ def test_quantised_layer_matches_dense_on_dequantised_weights(gate_up, down, tok
     layer = _quantised_layer(gate_up, down, "triton")
     dense_tensors = {k: dequantize(v) if k.startswith("experts.") else v for k, v in layer.tensors.items()}
     dense = MoELayer.from_tensors(SPEC, {k: v.cpu() for k, v in dense_tensors.items()})
+    x = torch.randn(tokens, QH, generator=torch.Generator().manual_seed(tokens))
+    assert rel_err(layer(x.to(DEVICE)).cpu(), dense(x)) <= 1e-5
+
+
+@pytest.mark.parametrize("activations", [ActivationMode.EXACT, ActivationMode.INT8])
+@pytest.mark.parametrize(("gate_up", "down", "tokens"), [("iq2_xxs", "tq1_0", 1), ("iq3_s", "iq1_m", 5)])
+def test_layer_on_formats_without_a_quantiser_or_an_integer_kernel(gate_up, down, tokens, activations):
+    """Random blocks of formats moerun reads but does not write: decode (1 token) and prefill read them
+    in the kernels, with int8 activations too (no q8_1 kernel: float activations, the same numbers)."""
+    tensors = _tensors()
+    gen = torch.Generator().manual_seed(1)
+    for name, fmt in (("experts.gate_up", gate_up), ("experts.down", down)):
+        tensors[name] = random_blocks(fmt, tuple(tensors[name].shape), gen)
+    layer = MoELayer.from_tensors(SPEC, tensors, run=layer_run(tensors, None, DEVICE, "triton", activations))
+    dense = MoELayer.from_tensors(
+        SPEC, {k: dequantize(v) if k.startswith("experts.") else v for k, v in tensors.items()}
+    )
+    assert layer.backend.name == "triton"
+    assert layer.backend.int8_activations == (activations is ActivationMode.INT8)
     x = torch.randn(tokens, QH, generator=torch.Generator().manual_seed(tokens))
     assert rel_err(layer(x.to(DEVICE)).cpu(), dense(x)) <= 1e-5
 

@@ -104,7 +104,7 @@ def _quants(rows: torch.Tensor | Q8_1) -> torch.Tensor:
 @triton.jit
 def _experts_gemv_kernel(
     x_ptr, x_row_stride, slots_ptr, experts_ptr, weights_ptr, w_ptr, row_stride, expert_stride,
-    bias_ptr, out_ptr, N, K,
+    table_ptr, bias_ptr, out_ptr, N, K,
     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -112,8 +112,8 @@ def _experts_gemv_kernel(
     times weights[i] with SCALE_BIAS). Grid (k, cdiv(N, BLOCK_N)).
 
     x: float [k, K] rows `x_row_stride` elements apart (0: one row shared by all k). slots, experts:
-    int32 [k]. weights: fp32 [k]. w: KernelWeight data (any format load_weight_tile reads).
-    bias: float [E, N]. out: fp32 [k, N]."""
+    int32 [k]. weights: fp32 [k]. w: KernelWeight data (any format load_weight_tile reads), table:
+    its format's lookup table (KernelWeight.table). bias: float [E, N]. out: fp32 [k, N]."""
     i = tl.program_id(0)
     n_offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slots_ptr + i).to(tl.int64)
@@ -123,7 +123,7 @@ def _experts_gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_offs = k0 + tl.arange(0, BLOCK_K)
         xk = tl.load(x_row + k_offs, mask=k_offs < K, other=0.0).to(tl.float32)  # [BK]
-        tile = load_weight_tile(w_expert, row_stride, n_offs, k_offs, N, K, FMT)  # [BK, BN]
+        tile = load_weight_tile(w_expert, row_stride, n_offs, k_offs, N, K, table_ptr, FMT)  # [BK, BN]
         acc += tl.sum(tile * xk[:, None], axis=0)
     if HAS_BIAS:
         expert = tl.load(experts_ptr + i).to(tl.int64)
@@ -153,7 +153,7 @@ def _gemv(x, slots, experts, weights, w: KernelWeight, bias, config) -> torch.Te
         cfg = merge_config(GEMV_Q8_1_CONFIG, config)
         experts_gemv_q8_1_kernel[(k, triton.cdiv(w.n, cfg["BLOCK_N"]))](
             x.qs.contiguous(), x.d.contiguous(), x.s.contiguous(), x_row_stride, slots, experts, weights_ptr,
-            w.data, w.row_stride, w.expert_stride, bias_ptr, out, w.n, w.k,
+            w.data, w.row_stride, w.expert_stride, w.table, bias_ptr, out, w.n, w.k,
             **flags, GROUP_BYTES=Q8_1_GROUP_BYTES[w.fmt], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )  # fmt: skip
         return out
@@ -164,7 +164,7 @@ def _gemv(x, slots, experts, weights, w: KernelWeight, bias, config) -> torch.Te
         )
     _experts_gemv_kernel[(k, triton.cdiv(w.n, cfg["BLOCK_N"]))](
         x.contiguous(), x_row_stride, slots, experts, weights_ptr, w.data, w.row_stride, w.expert_stride,
-        bias_ptr, out, w.n, w.k,
+        w.table, bias_ptr, out, w.n, w.k,
         **flags, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
     )  # fmt: skip
     return out

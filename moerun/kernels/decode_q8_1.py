@@ -17,8 +17,24 @@ import torch
 import triton
 import triton.language as tl
 
+from moerun.kernels.block_fields import fp16
 from moerun.kernels.configs import default_config, merge_config
-from moerun.kernels.weights import FORMAT_CODES, Q2_K, Q3_K, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
+from moerun.kernels.weights import (
+    FORMAT_CODES,
+    IQ4_NL,
+    IQ4_XS,
+    MXFP4,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+)
 from moerun.quant.q8_1 import Q8_1, quantize_q8_1
 
 # Formats with an integer q8_1 path, and the bytes of weights one loop step covers (256 elements:
@@ -26,6 +42,8 @@ from moerun.quant.q8_1 import Q8_1, quantize_q8_1
 Q8_1_GROUP_BYTES = {FORMAT_CODES["q8_0"]: 8 * 34, FORMAT_CODES["q4_0"]: 8 * 18, FORMAT_CODES["mxfp4"]: 8 * 17}
 Q8_1_GROUP_BYTES |= {FORMAT_CODES["q4_k"]: 144, FORMAT_CODES["q5_k"]: 176, FORMAT_CODES["q6_k"]: 210}
 Q8_1_GROUP_BYTES |= {FORMAT_CODES["q2_k"]: 84, FORMAT_CODES["q3_k"]: 110}
+Q8_1_GROUP_BYTES |= {FORMAT_CODES["q4_1"]: 8 * 20, FORMAT_CODES["q5_0"]: 8 * 22, FORMAT_CODES["q5_1"]: 8 * 24}
+Q8_1_GROUP_BYTES |= {FORMAT_CODES["iq4_nl"]: 8 * 18, FORMAT_CODES["iq4_xs"]: 136}
 QK = 32  # elements per q8_1 block
 
 GEMV_Q8_1_CONFIG = default_config("decode_gemv_q8_1")
@@ -104,17 +122,10 @@ def quantize_rows_q8_1_reference(x, config=None) -> Q8_1:
 
 
 @triton.jit
-def _fp16_at(ptr, mask):
-    """The little-endian fp16 at byte pointers `ptr` (any shape), as fp32."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
-    return (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _dot_blocks32(rows, n_mask, qs_g, d8_g, s8_g, n_blocks, FMT: tl.constexpr):
-    """Up to 8 blocks of 32 (n_blocks valid) of q8_0 / q4_0 / mxfp4 rows (byte pointers [BN] at the
-    first block) with q8_1 quants qs_g int8 [256], d8_g and s8_g fp32 [8] -> fp32 [BN]."""
+def _dot_blocks32(rows, n_mask, qs_g, d8_g, s8_g, n_blocks, table, FMT: tl.constexpr):
+    """Up to 8 blocks of 32 (n_blocks valid) of a 32-element format's rows (byte pointers [BN] at the
+    first block) with q8_1 quants qs_g int8 [256], d8_g and s8_g fp32 [8] -> fp32 [BN]. table: the
+    format's lookup table (IQ4_NL's values)."""
     j = tl.arange(0, 8)
     c = tl.arange(0, 32)
     jm = j < n_blocks
@@ -122,31 +133,50 @@ def _dot_blocks32(rows, n_mask, qs_g, d8_g, s8_g, n_blocks, FMT: tl.constexpr):
     m3 = m2[:, :, None]
     aq = tl.load(qs_g + j[:, None] * 32 + c[None, :], mask=jm[:, None], other=0).to(tl.int32)  # [8, 32]
     d8 = tl.load(d8_g + j, mask=jm, other=0.0)[None, :]  # [1, 8]
+    s8 = tl.load(s8_g + j, mask=jm, other=0.0)[None, :]
     if FMT == Q8_0:
         base = rows[:, None] + j[None, :] * 34  # [BN, 8]
         q = tl.load(base[:, :, None] + 2 + c[None, None, :], mask=m3, other=0)
         isum = tl.sum(q.to(tl.int8, bitcast=True).to(tl.int32) * aq[None, :, :], axis=2)  # [BN, 8]
-        out = tl.sum((_fp16_at(base, m2) * d8) * isum.to(tl.float32), axis=1)
+        out = tl.sum((fp16(base, m2) * d8) * isum.to(tl.float32), axis=1)
     else:
-        # byte b of the 16 quant bytes: element b in its low nibble, b + 16 in its high nibble
-        width = 18 if FMT == Q4_0 else 17
+        # Block bytes, and where the 16 nibble bytes start (byte b: element b low, b + 16 high);
+        # Q5_0 / Q5_1 keep the fifth bits in the 4 bytes before them (bit e: element e).
+        if FMT == Q4_0 or FMT == IQ4_NL:  # noqa: SIM109
+            width, first = 18, 2
+        elif FMT == MXFP4:
+            width, first = 17, 1
+        elif FMT == Q4_1:
+            width, first = 20, 4
+        elif FMT == Q5_0:
+            width, first = 22, 6
+        else:
+            width, first = 24, 8
         base = rows[:, None] + j[None, :] * width
-        first = 2 if FMT == Q4_0 else 1
         byte = tl.load(base[:, :, None] + first + (c % 16)[None, None, :], mask=m3, other=0).to(tl.int32)
         code = (byte >> (4 * (c // 16))[None, None, :]) & 0xF  # [BN, 8, 32]
-        if FMT == Q4_0:
-            isum = tl.sum(code * aq[None, :, :], axis=2)  # unsigned nibbles; the -8 comes via s
-            s8 = tl.load(s8_g + j, mask=jm, other=0.0)[None, :]
-            out = tl.sum(_fp16_at(base, m2) * (isum.to(tl.float32) * d8 - 8.0 * s8), axis=1)
-        else:
+        if FMT == Q5_0 or FMT == Q5_1:  # noqa: SIM109
+            qh = tl.load(base[:, :, None] + first - 4 + (c // 8)[None, None, :], mask=m3, other=0)
+            code = code | (((qh.to(tl.int32) >> (c % 8)[None, None, :]) & 1) << 4)
+        if FMT == MXFP4:
             mag = code & 7  # doubled E2M1: 0, 1, 2, 3, 4, 6, 8, 12
             big = (2 + (mag & 1)) << tl.maximum((mag >> 1) - 1, 0)
             value = tl.where(mag < 4, mag, big)
-            value = tl.where((code & 8) != 0, -value, value)
-            isum = tl.sum(value * aq[None, :, :], axis=2)
+            code = tl.where((code & 8) != 0, -value, value)
+        elif FMT == IQ4_NL:
+            code = tl.load(table + code, mask=m3, other=0).to(tl.int32)
+        isum = tl.sum(code * aq[None, :, :], axis=2).to(tl.float32)  # [BN, 8]
+        if FMT == Q4_0 or FMT == Q5_0:  # noqa: SIM109 - the offset -8 / -16 comes via s
+            offset = 8.0 if FMT == Q4_0 else 16.0
+            out = tl.sum(fp16(base, m2) * (isum * d8 - offset * s8), axis=1)
+        elif FMT == Q4_1 or FMT == Q5_1:  # noqa: SIM109 - the min via s
+            out = tl.sum(isum * (fp16(base, m2) * d8) + fp16(base + 2, m2) * s8, axis=1)
+        elif FMT == IQ4_NL:
+            out = tl.sum((fp16(base, m2) * d8) * isum, axis=1)
+        else:
             e = tl.load(base, mask=m2, other=0).to(tl.int32)  # E8M0; half its scale is 2^(e - 128)
             bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-            out = tl.sum((bits.to(tl.float32, bitcast=True) * d8) * isum.to(tl.float32), axis=1)
+            out = tl.sum((bits.to(tl.float32, bitcast=True) * d8) * isum, axis=1)
     return out
 
 
@@ -183,7 +213,7 @@ def _dot_q4_k(rows, n_mask, qs_g, d8_g, FIVE_BITS: tl.constexpr):
     qsum = tl.sum(aq, axis=1)[None, :]  # [1, 8]
     sumf_d = tl.sum(d8 * (isum * scale).to(tl.float32), axis=1)
     sumf_m = tl.sum(d8 * (qsum * minimum).to(tl.float32), axis=1)
-    return _fp16_at(rows, n_mask) * sumf_d - _fp16_at(rows + 2, n_mask) * sumf_m
+    return fp16(rows, n_mask) * sumf_d - fp16(rows + 2, n_mask) * sumf_m
 
 
 @triton.jit
@@ -213,7 +243,7 @@ def _dot_q2_k(rows, n_mask, qs_g, d8_g):
     qsum = tl.sum(aq, axis=1)[None, :]  # [1, 16]
     sumf_d = tl.sum(d8 * (isum * (packed & 15)).to(tl.float32), axis=1)
     sumf_m = tl.sum(d8 * (qsum * (packed >> 4)).to(tl.float32), axis=1)
-    return _fp16_at(rows + 80, n_mask) * sumf_d - _fp16_at(rows + 82, n_mask) * sumf_m
+    return fp16(rows + 80, n_mask) * sumf_d - fp16(rows + 82, n_mask) * sumf_m
 
 
 @triton.jit
@@ -236,7 +266,7 @@ def _dot_q3_k(rows, n_mask, qs_g, d8_g):
     hi = tl.load(rows[:, None] + 104 + (j % 4)[None, :], mask=m2, other=0).to(tl.int32)
     scale = (((lo >> (4 * (j // 8))[None, :]) & 15) | (((hi >> (2 * (j // 4))[None, :]) & 3) << 4)) - 32
     d8 = tl.load(d8_g + j // 2)[None, :]  # a q8_1 block spans two sub-blocks
-    return _fp16_at(rows + 108, n_mask) * tl.sum(d8 * (isum * scale).to(tl.float32), axis=1)
+    return fp16(rows + 108, n_mask) * tl.sum(d8 * (isum * scale).to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -257,20 +287,45 @@ def _dot_q6_k(rows, n_mask, qs_g, d8_g):
     scale = tl.load(rows[:, None] + 192 + j[None, :], mask=n_mask[:, None], other=0)
     scale = scale.to(tl.int8, bitcast=True).to(tl.int32)
     d8 = tl.load(d8_g + j // 2)[None, :]  # a q8_1 block spans two sub-blocks
-    return _fp16_at(rows + 208, n_mask) * tl.sum(d8 * (isum * scale).to(tl.float32), axis=1)
+    return fp16(rows + 208, n_mask) * tl.sum(d8 * (isum * scale).to(tl.float32), axis=1)
+
+
+@triton.jit
+def _dot_iq4_xs(rows, n_mask, qs_g, d8_g, table):
+    """One IQ4_XS super-block (byte pointers [BN]) with q8_1 quants qs_g [256], d8_g [8] -> fp32 [BN]:
+    sum over sub-blocks j of 32 of (d * d8_j) * (isum_j * (ls_j - 32)), the codes' values gathered
+    from `table` (IQ4_NL's). Sub-block j: 16 bytes from 8 + 16j (element c in the low nibble of byte
+    c % 16 for c < 16, the high one after); ls_j's low nibble in byte 4 + j // 2, its 2 high bits at
+    shift 2 * (j % 4) of byte 2 + j // 4."""
+    j = tl.arange(0, 8)  # sub-blocks of 32
+    c = tl.arange(0, 32)
+    m2 = n_mask[:, None]
+    m3 = n_mask[:, None, None]
+    aq = tl.load(qs_g + j[:, None] * 32 + c[None, :]).to(tl.int32)  # [8, 32]
+    d8 = tl.load(d8_g + j)[None, :]  # [1, 8]
+    offs = (8 + 16 * j)[:, None] + (c % 16)[None, :]  # [8, 32]
+    byte = tl.load(rows[:, None, None] + offs[None, :, :], mask=m3, other=0).to(tl.int32)
+    code = (byte >> (4 * (c // 16))[None, None, :]) & 0xF
+    value = tl.load(table + code, mask=m3, other=0).to(tl.int32)
+    isum = tl.sum(value * aq[None, :, :], axis=2)  # [BN, 8]
+    low = tl.load(rows[:, None] + 4 + (j // 2)[None, :], mask=m2, other=0).to(tl.int32)
+    high = tl.load(rows[:, None] + 2 + (j // 4)[None, :], mask=m2, other=0).to(tl.int32)
+    ls = (((low >> (4 * (j % 2))[None, :]) & 0xF) | (((high >> (2 * (j % 4))[None, :]) & 3) << 4)) - 32
+    return tl.sum((fp16(rows, n_mask)[:, None] * d8) * (isum * ls).to(tl.float32), axis=1)
 
 
 @triton.jit
 def experts_gemv_q8_1_kernel(
     qs_ptr, d8_ptr, s8_ptr, x_row_stride, slots_ptr, experts_ptr, weights_ptr,
-    w_ptr, row_stride, expert_stride, bias_ptr, out_ptr, N, K,
+    w_ptr, row_stride, expert_stride, table_ptr, bias_ptr, out_ptr, N, K,
     FMT: tl.constexpr, GROUP_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """As decode._experts_gemv_kernel with x in q8_1 and integer dot products. Grid (k, cdiv(N, BLOCK_N)).
 
     qs: int8 [k, K]; d8, s8: fp32 [k, K / 32]; rows `x_row_stride` elements of qs apart (0: shared).
-    w: uint8 [slots, N, row_stride] of FMT (one of Q8_1_GROUP_BYTES). bias: float [E, N].
+    w: uint8 [slots, N, row_stride] of FMT (one of Q8_1_GROUP_BYTES); table: its lookup table
+    (KernelWeight.table). bias: float [E, N].
     out: fp32 [k, N]."""
     i = tl.program_id(0)
     n_offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -291,9 +346,13 @@ def experts_gemv_q8_1_kernel(
             acc += _dot_q3_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
         elif FMT == Q6_K:
             acc += _dot_q6_k(blk, n_mask, qs_row + g * 256, d8_row + g * 8)
+        elif FMT == IQ4_XS:
+            acc += _dot_iq4_xs(blk, n_mask, qs_row + g * 256, d8_row + g * 8, table_ptr)
         else:
             n_blocks = K // 32 - g * 8
-            acc += _dot_blocks32(blk, n_mask, qs_row + g * 256, d8_row + g * 8, s8_row + g * 8, n_blocks, FMT)
+            acc += _dot_blocks32(
+                blk, n_mask, qs_row + g * 256, d8_row + g * 8, s8_row + g * 8, n_blocks, table_ptr, FMT
+            )
     if HAS_BIAS:
         expert = tl.load(experts_ptr + i).to(tl.int64)
         bias = tl.load(bias_ptr + expert * N + n_offs, mask=n_mask, other=0.0).to(tl.float32)

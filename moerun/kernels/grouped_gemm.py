@@ -90,6 +90,7 @@ def _gate_up_kernel(
     w_ptr,  # gate_up of all experts: [E, 2I, H] float or uint8 block bytes
     w_row_stride,
     w_expert_stride,
+    table_ptr,  # int8: the weights' format's lookup table (KernelWeight.table)
     bias_ptr,  # [E, 2I] any float dtype (unused without HAS_BIAS)
     bias_expert_stride,
     a_ptr,  # [max_rows, I] x's dtype: the activation of each padded row (0 on padding)
@@ -131,8 +132,9 @@ def _gate_up_kernel(
             mask=valid[:, None] & (k_offs[None, :] < H),
             other=0.0,
         )  # [BM, BK]
-        w_gate = load_weight_tile(w_expert, w_row_stride, gate_rows, k_offs, 2 * I, H, FMT)  # [BK, BN]
-        w_up = load_weight_tile(w_expert, w_row_stride, up_rows, k_offs, 2 * I, H, FMT)
+        # [BK, BN] tiles
+        w_gate = load_weight_tile(w_expert, w_row_stride, gate_rows, k_offs, 2 * I, H, table_ptr, FMT)
+        w_up = load_weight_tile(w_expert, w_row_stride, up_rows, k_offs, 2 * I, H, table_ptr, FMT)
         gate = _dot(x_tile, w_gate, gate, DOT)
         up = _dot(x_tile, w_up, up, DOT)
     col_mask = cols < I
@@ -158,6 +160,7 @@ def _down_kernel(
     w_ptr,  # down of all experts: [E, H, I] float or uint8 block bytes
     w_row_stride,
     w_expert_stride,
+    table_ptr,  # int8: the weights' format's lookup table (KernelWeight.table)
     bias_ptr,  # [E, H] any float dtype (unused without HAS_BIAS)
     bias_expert_stride,
     out_ptr,  # [max_rows, H] fp32: (a · Wᵀ + b) * routing weight
@@ -184,7 +187,7 @@ def _down_kernel(
         a_tile = tl.load(
             a_ptr + rows[:, None] * stride_a + k_offs[None, :], mask=k_offs[None, :] < I, other=0.0
         )
-        w_tile = load_weight_tile(w_expert, w_row_stride, cols, k_offs, H, I, FMT)  # [BK, BN]
+        w_tile = load_weight_tile(w_expert, w_row_stride, cols, k_offs, H, I, table_ptr, FMT)  # [BK, BN]
         acc = _dot(a_tile, w_tile, acc, DOT)
     col_mask = cols < H
     if HAS_BIAS:
@@ -243,7 +246,7 @@ def gate_up_activation(
     bias = gate_up_bias.contiguous() if gate_up_bias is not None else x
     _gate_up_kernel[grid](
         x, x.stride(0), plan.sorted_rows, plan.block_experts,
-        gate_up.data, gate_up.row_stride, gate_up.expert_stride,
+        gate_up.data, gate_up.row_stride, gate_up.expert_stride, gate_up.table,
         bias, bias.stride(0), a, a.stride(0),
         plan.num_tokens * plan.top_k, gate_up.k, intermediate,
         TOP_K=plan.top_k, HAS_BIAS=gate_up_bias is not None, FMT=gate_up.fmt,
@@ -271,7 +274,7 @@ def down_weighted(
     bias = down_bias.contiguous() if down_bias is not None else a
     _down_kernel[grid](
         a, a.stride(0), plan.row_weights, plan.block_experts,
-        down.data, down.row_stride, down.expert_stride,
+        down.data, down.row_stride, down.expert_stride, down.table,
         bias, bias.stride(0), rows, rows.stride(0),
         down.n, down.k,
         HAS_BIAS=down_bias is not None, FMT=down.fmt, DOT=_dot_mode(a),

@@ -15,14 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
-from moerun.quant import dequant
+from moerun.quant import dequant, iquants
 from moerun.quant.formats import FormatError, QTensor, get_format
 
 F32 = torch.float32
 I32 = torch.int32
 QK8_1 = 32  # elements per q8_1 block
 FP16_MAX = 65504.0
-DOT_FORMATS = ("q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4")
+DOT_FORMATS = (
+    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+    "iq4_xs",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,41 @@ def _dot_q4_0(blocks: torch.Tensor, act: Q8_1) -> torch.Tensor:
     return (d * (isum.to(F32) * act.d - 8.0 * act.s)).sum(dim=-1)
 
 
+def _dot_with_min(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, act: Q8_1) -> torch.Tensor:
+    """Q4_1 / Q5_1: per block isum * (d * d8) + m * s (ggml's vec_dot_q4_1/q5_1_q8_1), unsigned q."""
+    isum = _isum(q, act.qs.reshape(-1, QK8_1), QK8_1)[..., 0]  # [R, nb]
+    return (isum.to(F32) * (d * act.d) + m * act.s).sum(dim=-1)
+
+
+def _dot_q4_1(blocks: torch.Tensor, act: Q8_1) -> torch.Tensor:
+    return _dot_with_min(*dequant.unpack_q4_1(blocks), act)
+
+
+def _dot_q5_1(blocks: torch.Tensor, act: Q8_1) -> torch.Tensor:
+    return _dot_with_min(*dequant.unpack_q5_1(blocks), act)
+
+
+def _dot_q5_0(blocks: torch.Tensor, act: Q8_1) -> torch.Tensor:
+    d, q = dequant.unpack_q5_0(blocks)
+    # As q4_0: the unsigned 5-bit fields 0..31 against qs, the offset -16 back as -16 * s.
+    isum = _isum(q.to(I32) + 16, act.qs.reshape(-1, QK8_1), QK8_1)[..., 0]  # [R, nb]
+    return (d * (isum.to(F32) * act.d - 16.0 * act.s)).sum(dim=-1)
+
+
+def _dot_iq4_nl(blocks: torch.Tensor, act: Q8_1) -> torch.Tensor:
+    d, q = dequant.unpack_iq4_nl(blocks)
+    isum = _isum(q, act.qs.reshape(-1, QK8_1), QK8_1)[..., 0]  # [R, nb]
+    return ((d * act.d) * isum.to(F32)).sum(dim=-1)
+
+
+def _dot_iq4_xs(blocks: torch.Tensor, act: Q8_1) -> torch.Tensor:
+    d, scales, q = iquants.unpack_iq4_xs(blocks)  # [R, nb], [R, nb, 8], [R, nb, 256]
+    nb = q.shape[1]
+    # per sub-block of 32: (d * d8_j) * (isum_j * (ls_j - 32)), as ggml's vec_dot_iq4_xs_q8_1
+    isum = _isum(q, act.qs.reshape(nb, -1), QK8_1) * scales.to(I32)  # [R, nb, 8]
+    return ((d[..., None] * act.d.reshape(nb, -1)) * isum.to(F32)).sum(dim=(-2, -1))
+
+
 def _dot_mxfp4(blocks: torch.Tensor, act: Q8_1) -> torch.Tensor:
     e, codes = dequant.unpack_mxfp4(blocks)
     table = torch.tensor(dequant.MXFP4_VALUES, dtype=I32, device=codes.device)
@@ -168,6 +206,11 @@ def _dot_q6_k(blocks: torch.Tensor, act: Q8_1) -> torch.Tensor:
 _DOTS = {
     "q8_0": _dot_q8_0,
     "q4_0": _dot_q4_0,
+    "q4_1": _dot_q4_1,
+    "q5_0": _dot_q5_0,
+    "q5_1": _dot_q5_1,
+    "iq4_nl": _dot_iq4_nl,
+    "iq4_xs": _dot_iq4_xs,
     "q2_k": _dot_q2_k,
     "q3_k": _dot_q3_k,
     "q4_k": _dot_q4_k,
@@ -187,16 +230,22 @@ def dot_q8_1(fmt_name: str, weight_rows: torch.Tensor, act: Q8_1) -> torch.Tenso
     of the weight's integer quants with qs over a sub-block (weight scales are the fp16/E8M0 values):
       q8_0:  sum_b d_b * d8_b * isum_b                       (q in [-128, 127])
       q4_0:  sum_b d_b * (d8_b * isum_b - 8 * s_b)           (isum over the unsigned nibbles 0..15)
+      q5_0:  sum_b d_b * (d8_b * isum_b - 16 * s_b)          (isum over the unsigned fields 0..31)
+      q4_1, q5_1: sum_b isum_b * (d_b * d8_b) + m_b * s_b    (unsigned q; m the fp16 min)
+      iq4_nl: sum_b (d_b * d8_b) * isum_b                    (q IQ4NL_VALUES, -127..113)
+      iq4_xs: sum over sub-blocks j of 32 of (d * d8_j) * (isum_j * (ls_j - 32))
       mxfp4: sum_b (2^(e_b - 128) * d8_b) * isum_b           (q the doubled E2M1 values, -12..12)
       q3_k, q6_k: per super-block d * sum_j d8_j * (sc_j * isum_j), sub-blocks j of 16
              (q3_k: q in [-4, 3], sc in [-32, 31]; q6_k: q in [-32, 31], sc int8)
       q2_k, q4_k, q5_k: per super-block d * sum_j d8_j * (sc_j * isum_j)
              - dmin * sum_j d8_j * (m_j * qsum_j), with qsum_j the int32 sum of qs over sub-block j
              (sub-blocks of 16 for q2_k, 32 for q4_k/q5_k; unsigned q), summed over super-blocks.
-    These are ggml's CUDA mul_mat_vec_q dot products (vecdotq.cuh): only q4_0 uses s; the k-quant
-    mins use d8 times the integer sum of qs, as there. So the result is the float dot product of the
-    dequantised weights with act.dequantize(), up to float32 rounding and summation order, except for
-    q4_0, which differs from that by sum_b 8 * d_b * (d8_b * sum(qs_b) - s_b) (s's fp16 rounding)."""
+    These are ggml's CUDA mul_mat_vec_q dot products (vecdotq.cuh): only the 32-element formats with
+    an offset or a min use s; the k-quant mins use d8 times the integer sum of qs, as there. So the
+    result is the float dot product of the dequantised weights with act.dequantize(), up to float32
+    rounding and summation order, except for those using s, which differ from that by
+    sum_b c_b * (s_b - d8_b * sum(qs_b)) (s's fp16 rounding), c_b = -8 d_b for q4_0, -16 d_b for
+    q5_0, m_b for q4_1 and q5_1."""
     if fmt_name not in _DOTS:
         raise FormatError(
             f"No q8_1 dot product for weight format {fmt_name!r}; supported: {', '.join(DOT_FORMATS)}."

@@ -83,8 +83,9 @@ class _Prepared:
             )
         }
         self.graph: GraphedStep | None = None
-        # decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q2_k..q6_k,
-        # mxfp4) on q8_1 activations, as llama.cpp's mmvq does
+        # decode of formats with integer kernels (moerun.kernels.decode_q8_1: q8_0, q4_0, q4_1, q5_0,
+        # q5_1, iq4_nl, q2_k..q6_k, iq4_xs, mxfp4) on q8_1 activations, as llama.cpp's mmvq does; the
+        # other formats' projections keep float activations
         self.use_q8_1 = use_q8_1
 
     def slots(self, expert_ids: torch.Tensor) -> torch.Tensor:

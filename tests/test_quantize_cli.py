@@ -354,12 +354,89 @@ def test_an_interrupted_write_leaves_no_file(checkpoints, tmp_path, monkeypatch)
     assert list(tmp_path.iterdir()) == []
 
 
+# The formats added with the i-quants, each read back by the gguf package and run against
+# transformers on the stored weights (the cpu backend needs native kernels for them).
+# name: (family, options, (gate/up, down, rest) formats)
+NEW_FORMAT_CASES = {
+    "qwen3_moe-iq4_xs-down-q5_1-rest-q5_0": (
+        "qwen3_moe",
+        ["--experts", "iq4_xs", "--down", "q5_1", "--rest", "q5_0"],
+        ("iq4_xs", "q5_1", "q5_0"),
+    ),
+    "mixtral-iq4_nl-down-q4_1-rest-iq4_nl": (
+        "mixtral",
+        ["--experts", "iq4_nl", "--down", "q4_1", "--rest", "iq4_nl"],
+        ("iq4_nl", "q4_1", "iq4_nl"),
+    ),
+    "olmoe-tq2_0-down-tq1_0-rest-q5_1": (
+        "olmoe",
+        ["--experts", "tq2_0", "--down", "tq1_0", "--rest", "q5_1"],
+        ("tq2_0", "tq1_0", "q5_1"),
+    ),
+}
+for _name in ("iq4_xs", "iq4_nl", "q4_1", "q5_0", "q5_1", "tq1_0", "tq2_0"):
+    GGML_TYPES[_name], BLOCK[_name] = _name.upper(), 256 if _name in ("iq4_xs", "tq1_0", "tq2_0") else 32
+
+
+@pytest.fixture(scope="module")
+def converted_new(checkpoints, tmp_path_factory):
+    done = {}
+
+    def get(case: str):
+        if case not in done:
+            model_type, options, _ = NEW_FORMAT_CASES[case]
+            model, directory = checkpoints(model_type, {})
+            out = tmp_path_factory.mktemp("gguf") / f"{case}.gguf"
+            with contextlib.redirect_stderr(io.StringIO()):
+                assert main(["quantize", str(directory), str(out), *options]) == 0
+            done[case] = model, out
+        return done[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(NEW_FORMAT_CASES))
+def test_new_formats_are_written_as_asked_and_read_by_the_gguf_package(case, converted_new):
+    model_type, options, (gate_up, down, rest) = NEW_FORMAT_CASES[case]
+    model, out = converted_new(case)
+    reader = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.1.ffn_up_exps.weight"] == GGML_TYPES[gate_up]
+    assert types["blk.1.ffn_down_exps.weight"] == GGML_TYPES[down]
+    assert types["blk.1.attn_q.weight"] == types["token_embd.weight"] == GGML_TYPES[rest]
+    assert reader.fields["general.file_type"].contents() == int(
+        gguf.LlamaFileType[f"MOSTLY_{gate_up.upper()}"]
+    )
+    # the bytes are those of moerun's quantiser on the checkpoint's weights (gguf's reader decodes them)
+    tensor = next(t for t in reader.tensors if t.name == "blk.1.ffn_up_exps.weight")
+    decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    up = model.model.layers[1].mlp.experts.gate_up_proj.detach().chunk(2, dim=-2)[1]
+    np.testing.assert_array_equal(decoded, as_stored(up, gate_up).numpy())
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("case", list(NEW_FORMAT_CASES))
+def test_new_formats_match_transformers_on_the_stored_weights(case, backend, converted_new):
+    _, _, formats = NEW_FORMAT_CASES[case]
+    hf_model, out = converted_new(case)
+    oracle = with_stored_weights(hf_model, *formats)
+    model = moerun.load(out, dtype=torch.float32, backend=backend)
+    assert rel_err(model.logits(IDS), hf_logits(oracle, IDS)) <= 1e-4
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
         (["--experts", "q4_x"], r"--experts 'q4_x' is not a format moerun writes; use one of q2_k, .*mxfp4"),
         (["--experts", "q4_k", "--down", "q9"], r"--down 'q9' is not a format"),
         (["--experts", "q4_k", "--rest", "q4_k"], r"--rest 'q4_k' is not a format .* f16, bf16, f32, q8_0"),
+        (
+            ["--experts", "iq2_xxs"],
+            r"--experts iq2_xxs: moerun reads iq2_xxs but cannot write it: ggml makes it only with an "
+            r"importance matrix .*llama-quantize",
+        ),
+        (["--experts", "q4_k", "--down", "iq3_s"], r"--down iq3_s: moerun reads iq3_s but cannot write it: "),
+        (["--experts", "q4_k", "--rest", "iq1_m"], r"--rest iq1_m: moerun reads iq1_m but cannot write it: "),
     ],
 )
 def test_unknown_formats_are_refused(checkpoints, tmp_path, capsys, options, message):

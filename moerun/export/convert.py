@@ -13,12 +13,16 @@ import torch
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import FLOAT_DTYPES, FORMATS, FormatError, QFormat, QTensor, get_format
 from moerun.quant.mxfp4_layouts import gpt_oss_layout_to_mxfp4
-from moerun.quant.quantize import quantize_rows
+from moerun.quant.quantize import READ_ONLY, not_writable, quantize_rows
 
 Tensor = torch.Tensor | QTensor
 
-EXPERT_FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "mxfp4", "f16", "bf16", "f32")
-REST_FORMATS = ("f16", "bf16", "f32", "q8_0")
+EXPERT_FORMATS = (
+    *("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq4_nl", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0"),
+    *("tq1_0", "tq2_0", "mxfp4", "f16", "bf16", "f32"),
+)
+# llama.cpp's types for 2-D weights outside the experts, besides the float ones
+REST_FORMATS = ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "iq4_nl")
 _EXPERT_PROJECTION = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
 _CHUNK_ELEMENTS = 1 << 22  # rows are converted a slice of about this many elements at a time
 
@@ -47,6 +51,8 @@ class QuantizeSpec:
             ("--down", self.down or self.experts, EXPERT_FORMATS),
             ("--rest", self.rest, REST_FORMATS),
         ):
+            if fmt in READ_ONLY:
+                raise ExportError(f"{option} {fmt}: {not_writable(fmt)}")
             if fmt not in known:
                 raise ExportError(
                     f"{option} {fmt!r} is not a format moerun writes; use one of {', '.join(known)}."

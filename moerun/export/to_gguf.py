@@ -53,8 +53,9 @@ from moerun.quant.formats import QTensor
 
 # general.file_type (llama.cpp's llama_ftype) by expert format: the "mostly" type of the bulk
 FILE_TYPES = {
-    "f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q2_k": 10, "q3_k": 11, "q4_k": 14, "q5_k": 16,
-    "q6_k": 18, "bf16": 32, "mxfp4": 38,
+    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 11,
+    "q4_k": 14, "q5_k": 16, "q6_k": 18, "iq4_nl": 25, "iq4_xs": 30, "bf16": 32, "tq1_0": 36,
+    "tq2_0": 37, "mxfp4": 38,
 }  # fmt: skip
 QUANTIZATION_VERSION = 2  # general.quantization_version of ggml's current block layouts
 _CHECKPOINT_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")  # as moerun.checkpoint.hf

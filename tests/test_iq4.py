@@ -154,3 +154,15 @@ def test_all_zero_blocks():
     assert not nl[:, :2].any() and (nl[:, 2:] == 0x88).all()
     xs = ours("iq4_xs", x)[0]
     assert list(xs[:8]) == [0x00, 0x80, 0xAA, 0xAA, 0x00, 0x00, 0x00, 0x00] and (xs[8:] == 0x88).all()
+
+
+def test_nearest_code_at_and_beside_every_midpoint():
+    """Ties go to the larger value, as ggml's best_index_int8; just below a midpoint, the smaller."""
+    from moerun.quant.iq4 import nearest_code
+
+    mid = ((VALUES[:-1] + VALUES[1:]) / 2).astype(np.float32)
+    below = np.nextafter(mid, np.float32(-np.inf))
+    y = np.concatenate([mid, below, VALUES.astype(np.float32), [-1e4, 1e4, 0.0]]).astype(np.float32)
+    expected = np.concatenate([np.arange(1, 16), np.arange(0, 15), np.arange(16), [0, 15, 8]])
+    np.testing.assert_array_equal(nearest_code(torch.from_numpy(y)).numpy(), expected)
+    np.testing.assert_array_equal(nearest(y.astype(np.float64)), expected)

@@ -37,16 +37,20 @@ def _values(device: torch.device) -> torch.Tensor:
     return torch.tensor(IQ4NL_VALUES, dtype=F32, device=device)
 
 
+# The doubled midpoints value[i - 1] + value[i] are integers in [2 value[0], 2 value[-1]]: 2y reaches
+# one exactly when floor(2y) does, so a table indexed by floor(2y) holds each code.
+_LOW, _HIGH = 2 * IQ4NL_VALUES[0], 2 * IQ4NL_VALUES[-1]
+_MIDPOINTS = [a + b for a, b in zip(IQ4NL_VALUES, IQ4NL_VALUES[1:])]
+_CODE_OF_FLOOR = [sum(k >= m for m in _MIDPOINTS) for k in range(_LOW, _HIGH + 1)]
+
+
 def nearest_code(y: torch.Tensor) -> torch.Tensor:
     """ggml's `best_index_int8` over IQ4NL_VALUES: the code of the value nearest to y, a tie going
-    to the larger value (y picks value i once 2y reaches value[i - 1] + value[i], exact in float32).
-    Codes int64, y's shape."""
-    v = IQ4NL_VALUES
-    code = torch.zeros(y.shape, dtype=torch.int64, device=y.device)
-    twice = y + y
-    for i in range(1, len(v)):
-        code += twice >= v[i - 1] + v[i]
-    return code
+    to the larger value (y picks value i once 2y reaches value[i - 1] + value[i], exact in float32;
+    NaN, which reaches none, code 0). Codes int64, y's shape."""
+    table = torch.tensor(_CODE_OF_FLOOR, dtype=torch.int64, device=y.device)
+    twice = torch.nan_to_num(y + y, nan=_LOW).clamp(_LOW, _HIGH).floor()
+    return table[(twice - _LOW).long()]
 
 
 def _sums(x: torch.Tensor, w: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +91,7 @@ def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
 
 def quantize_iq4_nl(x: torch.Tensor) -> torch.Tensor:
     """[N, 32] float32 -> [N, 18]: fp16 scale, then 16 bytes of codes (low nibbles elements 0-15)."""
-    d = sub_block_scales(x.t())
+    d = sub_block_scales(x.t().contiguous())
     codes = nearest_code(_inverse(d)[:, None] * x)
     _, d_bytes = kquants.half_bytes(d, "iq4_nl")
     return torch.cat([d_bytes, _pack_codes(codes)], -1)
@@ -97,7 +101,7 @@ def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
     """[N, 256] float32 -> [N, 136]: fp16 d, uint16 of the 8 scales' top 2 bits (2 bits each), 4
     bytes of their low nibbles (sub-block 2i low, 2i + 1 high), then 128 bytes of codes."""
     n = x.shape[0]
-    scales = sub_block_scales(x.reshape(-1, SUB).t()).reshape(n, -1)  # [N, 8]
+    scales = sub_block_scales(x.reshape(-1, SUB).t().contiguous()).reshape(n, -1)  # [N, 8]
     largest, biggest = kquants.first_absmax(scales)
     # ggml's max_scale starts at +0 and changes only for a |scale| above 0: all-zero blocks get -0.
     d = kquants.div(-torch.where(largest > 0, biggest, 0), 32)

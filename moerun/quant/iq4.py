@@ -40,7 +40,7 @@ def _values(device: torch.device) -> torch.Tensor:
 # The doubled midpoints value[i - 1] + value[i] are integers in [2 value[0], 2 value[-1]]: 2y reaches
 # one exactly when floor(2y) does, so a table indexed by floor(2y) holds each code.
 _LOW, _HIGH = 2 * IQ4NL_VALUES[0], 2 * IQ4NL_VALUES[-1]
-_MIDPOINTS = [a + b for a, b in zip(IQ4NL_VALUES, IQ4NL_VALUES[1:])]
+_MIDPOINTS = [IQ4NL_VALUES[i - 1] + IQ4NL_VALUES[i] for i in range(1, len(IQ4NL_VALUES))]
 _CODE_OF_FLOOR = [sum(k >= m for m in _MIDPOINTS) for k in range(_LOW, _HIGH + 1)]
 
 

@@ -1,6 +1,6 @@
 """GGUF files in each weight format moerun reads, against transformers on the values the file holds
 (decoded by the gguf package's numpy dequantisers, put back into the transformers model): experts
-in one format per file; four families; one file mixing formats tensor by tensor, resident, with its
+in one format per file; five families; one file mixing formats tensor by tensor, resident, with its
 experts streamed through the expert cache, and under expert parallelism. Formats moerun does not
 write (the i-quants made with an importance matrix) are stored as random valid blocks
 (`gguf_from_hf.random_blocks`). Each case runs on the torch backend and on the native CPU kernels."""
@@ -28,6 +28,12 @@ IDS = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(7
 
 @functools.cache
 def _hf_model(model_type: str):
+    if model_type == "deepseek_v2":  # MLA, a dense first layer, shared experts
+        from test_deepseek_gguf import deepseek
+
+        return deepseek(
+            "v2-lite-greedy", hidden_size=256, moe_intermediate_size=256, n_routed_experts=4, num_hidden_layers=2
+        )
     sizes = {**GGUF_OVERRIDES[model_type], **QUANT_SIZES[model_type]}
     return make_model(model_type, hidden_size=256, num_hidden_layers=2, **sizes)
 
@@ -75,6 +81,7 @@ FAMILY_CASES = {
     "olmoe": ("iq2_s", "iq4_nl"),
     "qwen2_moe": ("iq2_xs", "q4_1"),
     "gpt_oss": ("iq1_s", "tq1_0"),
+    "deepseek_v2": ("iq3_xxs", "iq4_xs"),
 }
 
 

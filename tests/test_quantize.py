@@ -338,7 +338,9 @@ def test_a_row_that_is_not_a_whole_number_of_blocks_is_refused(name):
         quantize(torch.zeros(2, block + 16), name)
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q8_0", "q4_k", "q6_k", "f16"])
+@pytest.mark.parametrize(
+    "name", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k", "iq4_nl", "iq4_xs", "tq2_0", "f16"]
+)
 def test_values_beyond_fp16_scales_are_refused(name):
     """ggml would store an inf scale (or f16 value), which decodes to inf or NaN."""
     x = torch.ones(1, 256)

@@ -43,12 +43,16 @@ def _as_int8_like_c(q: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(q), q, 0)
 
 
+def _scale_and_inverse(d: torch.Tensor, fmt_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp16 bytes [N, 2] of d, 1 / d [N, 1] or 0 where d is 0), as ggml's `id = d ? 1.0f/d : 0.0f`."""
+    inv = torch.where(d == 0, 0, kquants.div(1, d))[:, None]
+    return kquants.half_bytes(d, fmt_name)[1], inv
+
+
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     """[N, 32] float32 -> [N, 34]: fp16 d = max|x| / 127, then 32 int8 of roundf(x / d)."""
-    d = kquants.div(x.abs().amax(-1), 127)
-    inv = torch.where(d == 0, 0, kquants.div(1, d))[:, None]
+    d_bytes, inv = _scale_and_inverse(kquants.div(x.abs().amax(-1), 127), "q8_0")
     q = _as_int8_like_c(_round_half_away(x * inv)).clamp(-128, 127)
-    _, d_bytes = kquants.half_bytes(d, "q8_0")
     return torch.cat([d_bytes, q.to(torch.int8).view(torch.uint8)], dim=-1)
 
 
@@ -56,17 +60,9 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
     """[N, 32] float32 -> [N, 18]: fp16 d = (the x of largest |x|) / -8, then 16 bytes whose low
     nibbles hold elements 0-15 and high nibbles 16-31, each trunc(x / d + 8.5) capped at 15."""
     _, peak = kquants.first_absmax(x)
-    d = kquants.div(peak, -8)
-    inv = torch.where(d == 0, 0, kquants.div(1, d))[:, None]
+    d_bytes, inv = _scale_and_inverse(kquants.div(peak, -8), "q4_0")
     q = _as_int8_like_c(torch.trunc(x * inv + 8.5)).clamp(0, 15).to(torch.uint8)
-    _, d_bytes = kquants.half_bytes(d, "q4_0")
-    return torch.cat([d_bytes, q[:, :16] | q[:, 16:] << 4], dim=-1)
-
-
-def _scale_and_inverse(d: torch.Tensor, fmt_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp16 bytes [N, 2] of d, 1 / d [N, 1] or 0 where d is 0), as ggml's `id = d ? 1.0f/d : 0.0f`."""
-    inv = torch.where(d == 0, 0, kquants.div(1, d))[:, None]
-    return kquants.half_bytes(d, fmt_name)[1], inv
+    return torch.cat([d_bytes, _nibbles(q)], dim=-1)
 
 
 def _min_and_step(x: torch.Tensor, levels: int, fmt_name: str):

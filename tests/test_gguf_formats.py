@@ -32,7 +32,11 @@ def _hf_model(model_type: str):
         from test_deepseek_gguf import deepseek
 
         return deepseek(
-            "v2-lite-greedy", hidden_size=256, moe_intermediate_size=256, n_routed_experts=4, num_hidden_layers=2
+            "v2-lite-greedy",
+            hidden_size=256,
+            moe_intermediate_size=256,
+            n_routed_experts=4,
+            num_hidden_layers=2,
         )
     sizes = {**GGUF_OVERRIDES[model_type], **QUANT_SIZES[model_type]}
     return make_model(model_type, hidden_size=256, num_hidden_layers=2, **sizes)

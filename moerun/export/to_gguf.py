@@ -8,9 +8,10 @@ deepseek2 reads it.
 
 Formats (moerun.export.convert), as llama.cpp keeps them: expert projections in `spec.experts` (down
 in `spec.down`); 1-D tensors, biases and the router (ffn_gate_inp) in f32; the other 2-D weights in
-`spec.rest`. Rows that are not whole blocks of a format fall back to q8_0 (rows of 32s) or else f16,
-as llama-quantize falls back; the fallback is said on the log, and each layer's line and the closing
-summary name the formats stored, not the ones asked for. GPT-OSS's MXFP4 experts become
+`spec.rest`. Rows that are not whole blocks of a format fall back as llama-quantize falls back (q4_k
+to q5_0, q6_k to q8_0, iq4_xs to iq4_nl, ...: `convert.FALLBACKS`) or else to f16; the fallback is
+said on the log, and each layer's line and the closing summary name the formats stored, not the ones
+asked for. GPT-OSS's MXFP4 experts become
 GGUF MXFP4 without loss. Before any weight is read, the metadata is read back as `gguf_checkpoint`
 reads it, and a model that the file would describe differently (a sliding window the arch lacks,
 another routing rule) is refused.

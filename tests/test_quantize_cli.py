@@ -75,12 +75,12 @@ CASES = {
         ["--experts", "q8_0", "--rest", "q8_0"],
         ("q8_0", "q8_0", "q8_0"),
     ),
-    # expert rows of 96 are not q4_k blocks: down falls back to q5_0
-    "olmoe-q4_k-rows-of-96-rest-bf16": (
+    # expert rows of 96 are not q6_k blocks: down falls back to q8_0 (q4_k's fallback, q5_0: below)
+    "olmoe-q6_k-rows-of-96-rest-bf16": (
         "olmoe",
         dict(intermediate_size=96),
-        ["--experts", "q4_k", "--rest", "bf16"],
-        ("q4_k", "q4_k", "bf16"),
+        ["--experts", "q6_k", "--rest", "bf16"],
+        ("q6_k", "q6_k", "bf16"),
     ),
     "mixtral-mxfp4": ("mixtral", {}, ["--experts", "mxfp4"], ("mxfp4", "mxfp4", "f16")),
 }
@@ -235,15 +235,15 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_stored_weights(case,
 
 
 def test_fallbacks_are_said(converted):
-    *_, log = converted("olmoe-q4_k-rows-of-96-rest-bf16")
-    assert any("ffn_down_exps.weight: rows of 96" in line and "q5_0" in line for line in log)
+    *_, log = converted("olmoe-q6_k-rows-of-96-rest-bf16")
+    assert any("ffn_down_exps.weight: rows of 96" in line and "q8_0" in line for line in log)
     *_, log = converted("qwen2_moe-q8_0-rest-q8_0")
     assert any("ffn_down_shexp.weight: rows of 48" in line and "f16" in line for line in log)
 
 
 REPORTED = {
-    "olmoe-q4_k-rows-of-96-rest-bf16": (
-        "experts gate/up q4_k, down q5_0 (rows of 96 are not whole 256-element q4_k blocks); "
+    "olmoe-q6_k-rows-of-96-rest-bf16": (
+        "experts gate/up q6_k, down q8_0 (rows of 96 are not whole 256-element q6_k blocks); "
         "other 2-D weights bf16; norms, biases and routers f32"
     ),
     "qwen2_moe-q8_0-rest-q8_0": (
@@ -387,7 +387,13 @@ NEW_FORMAT_CASES = {
         ["--experts", "tq2_0", "--down", "tq1_0", "--rest", "q5_1"],
         ("tq2_0", "tq1_0", "q5_1"),
     ),
-    # down's rows of 96 are not iq4_xs blocks: llama-quantize's fallback, iq4_nl
+    # down's rows of 96 are not whole 256-element blocks: llama-quantize's fallbacks, iq4_nl and q5_0
+    "olmoe-q4_k-rows-of-96": (
+        "olmoe",
+        dict(intermediate_size=96),
+        ["--experts", "q4_k"],
+        ("q4_k",) * 2 + ("f16",),
+    ),
     "olmoe-iq4_xs-rows-of-96": (
         "olmoe",
         dict(intermediate_size=96),
@@ -424,9 +430,8 @@ def test_new_formats_are_written_as_asked_and_read_by_the_gguf_package(case, con
     assert types["blk.1.ffn_up_exps.weight"] == GGML_TYPES[gate_up]
     assert types["blk.1.ffn_down_exps.weight"] == GGML_TYPES[stored_format(down, intermediate)]
     assert types["blk.1.attn_q.weight"] == types["token_embd.weight"] == GGML_TYPES[rest]
-    assert reader.fields["general.file_type"].contents() == int(
-        gguf.LlamaFileType[f"MOSTLY_{gate_up.upper()}"]
-    )
+    file_type = "MOSTLY_Q4_K_S" if gate_up == "q4_k" else f"MOSTLY_{gate_up.upper()}"
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType[file_type])
     # the bytes are those of moerun's quantiser on the checkpoint's weights (gguf's reader decodes them)
     tensor = next(t for t in reader.tensors if t.name == "blk.1.ffn_up_exps.weight")
     decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)

@@ -60,8 +60,9 @@ class QuantizeSpec:
             if fmt in READ_ONLY:
                 raise ExportError(f"{option} {fmt}: {not_writable(fmt)}")
             if fmt not in known:
+                where = " for the other 2-D weights" if fmt in EXPERT_FORMATS else ""
                 raise ExportError(
-                    f"{option} {fmt!r} is not a format moerun writes; use one of {', '.join(known)}."
+                    f"{option} {fmt!r} is not a format moerun writes{where}; use one of {', '.join(known)}."
                 )
 
     @property

@@ -9,22 +9,24 @@ DeepSeek-V2/V3's kv_b split per head into attn_k_b (transposed) and attn_v_b wit
 or (`legacy_mla`) kept whole with the keys of the files written before that split. One addition:
 OLMoE's clip_qkv is written as `olmoe.attention.clamp_kqv` (the converter drops it).
 
-Expert projections may be quantised with moerun's quantisers (bit-exact with ggml's reference ones);
-the writer returns what the file then holds, dequantised, under transformers' names and layouts, so a
-test can load it back into the transformers model and compare like with like.
+Expert projections may be quantised with moerun's quantisers (bit-exact with ggml's reference ones),
+or, in a format moerun reads but does not write (the i-quants made with an importance matrix), stored
+as random valid blocks of about the tensor's spread; the writer returns what the file then holds,
+decoded by the gguf package's numpy dequantisers, under transformers' names and layouts, so a test can
+load it back into the transformers model and compare like with like.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 
-from moerun.quant.dequant import dequantize
-from moerun.quant.quantize import quantize
+from moerun.quant.formats import FORMATS, QTensor
+from moerun.quant.quantize import READ_ONLY, quantize
 
 ARCHS = {
     "mixtral": gguf.MODEL_ARCH.LLAMA,
@@ -37,16 +39,6 @@ ARCHS = {
     "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
 }
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
-RAW_TYPES = {
-    "q8_0": gguf.GGMLQuantizationType.Q8_0,
-    "q4_0": gguf.GGMLQuantizationType.Q4_0,
-    "q4_k": gguf.GGMLQuantizationType.Q4_K,
-    "q5_k": gguf.GGMLQuantizationType.Q5_K,
-    "q6_k": gguf.GGMLQuantizationType.Q6_K,
-    "q2_k": gguf.GGMLQuantizationType.Q2_K,
-    "q3_k": gguf.GGMLQuantizationType.Q3_K,
-    "mxfp4": gguf.GGMLQuantizationType.MXFP4,
-}
 _ATTENTION = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
 
 
@@ -63,6 +55,7 @@ def write_gguf(
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
     nextn_blocks: int = 0,
     legacy_mla: bool = False,
+    per_tensor: Mapping[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write `model` to `path`: gate experts in format `experts`, up in `up`, down in `down` (both
     default to `experts`), attention projections in `attention` ("f32" or a block format); tensors
@@ -72,6 +65,9 @@ def write_gguf(
     (glm4_moe) appends that many multi-token-prediction blocks of random tensors, as the converter
     writes a real checkpoint's `num_nextn_predict_layers`; `legacy_mla` (DeepSeek) writes the
     deepseek2 layout of before llama.cpp's absorbed MLA (one attn_kv_b, no *_mla or expert-group keys).
+    `per_tensor` {GGUF tensor name: format} overrides any of these for single tensors (a dense weight
+    too: the output, an embedding); a layer's gate and up must agree, and the experts' formats it
+    overrides must not be f32.
 
     Returns {transformers parameter name: tensor} for every parameter whose stored values differ from
     the model's (the quantised ones, dequantised, in transformers' layout)."""
@@ -86,15 +82,19 @@ def write_gguf(
     updates: dict[str, torch.Tensor] = {}
 
     def add(name: str, tensor: torch.Tensor, fmt: str = "f32") -> torch.Tensor:
-        """Store `tensor` as `fmt`; returns the values the file then holds."""
+        """Store `tensor` as `fmt` (or as `per_tensor` says); returns the values the file then holds
+        (`tensor` itself where it is stored as f32)."""
+        fmt = (per_tensor or {}).get(name, fmt)
         if name in skip:
             return tensor
         if fmt == "f32":
             writer.add_tensor(name, tensor.detach().float().contiguous().numpy())
             return tensor
         q = _quantize(tensor.detach().float(), fmt)
-        writer.add_tensor(name, q.data.numpy(), raw_dtype=RAW_TYPES[fmt])
-        return dequantize(q)
+        ggml_type = gguf.GGMLQuantizationType(q.format.ggml_type)
+        writer.add_tensor(name, q.data.numpy(), raw_dtype=ggml_type)
+        values = gguf.quants.dequantize(q.data.numpy(), ggml_type)  # the independent decoder
+        return torch.from_numpy(values.reshape(q.shape).copy())
 
     for hf_name, tensor in model.state_dict().items():
         if ".mlp.experts." in hf_name:
@@ -120,7 +120,7 @@ def write_gguf(
             tensor = llama_permute(tensor, heads)
         fmt = attention if name.split(".", 2)[-1] in _ATTENTION else "f32"
         stored = add(name, tensor, fmt)
-        if fmt != "f32":
+        if stored is not tensor:
             updates[hf_name] = llama_unpermute(stored, heads) if permute else stored
     for block in range(config.num_hidden_layers, config.num_hidden_layers + nextn_blocks):
         _nextn_block(writer, model.state_dict(), config, block)
@@ -164,15 +164,45 @@ def _nextn_block(writer: gguf.GGUFWriter, state: dict, config, block: int) -> No
         writer.add_tensor(name, torch.randn(shape, generator=gen).numpy())
 
 
-def _quantize(tensor: torch.Tensor, fmt: str):
+def _quantize(tensor: torch.Tensor, fmt: str) -> QTensor:
     """On one thread: these tensors are small, and on a busy 2-core machine the thread pool made
-    quantising them up to 20x slower."""
+    quantising them up to 20x slower. A format moerun does not write gets random blocks instead."""
+    if fmt in READ_ONLY:
+        seed = int(tensor.abs().sum().item() * 1e4) % 2**32  # another tensor, other blocks
+        return random_blocks(fmt, tuple(tensor.shape), float(tensor.std()), seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return quantize(tensor, fmt)
     finally:
         torch.set_num_threads(threads)
+
+
+def random_blocks(fmt: str, shape: tuple[int, ...], std: float, seed: int = 0) -> QTensor:
+    """A `fmt` tensor of logical `shape` made of random bytes, valid for the format (every grid index
+    and sign pattern is), with each block's fp16 scale set so that the values' RMS is about `std`
+    (all values are that scale times a function of the other bits)."""
+    f = FORMATS[fmt]
+    rows = int(np.prod(shape[:-1]))
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows * shape[-1] // f.block_size, f.block_bytes))
+    blocks = blocks.astype(np.uint8)
+    ggml_type = gguf.GGMLQuantizationType(f.ggml_type)
+    _set_scale(fmt, blocks, 1.0)
+    rms = float(np.sqrt(np.mean(gguf.quants.dequantize(blocks, ggml_type) ** 2)))
+    _set_scale(fmt, blocks, std / rms)
+    return QTensor.from_bytes(fmt, shape, torch.from_numpy(blocks))
+
+
+def _set_scale(fmt: str, blocks: np.ndarray, d: float) -> None:
+    """Set every block's fp16 super-block scale to d (IQ1_M's is spread over the top nibbles of its
+    four uint16 scale words; the others' is the first two bytes)."""
+    bits = int(np.array(d, np.float16).view(np.uint16))
+    if fmt == "iq1_m":
+        words = blocks[:, 48:56].copy().view(np.uint16)  # [N, 4]
+        nibbles = np.array([(bits >> (4 * i)) & 0xF for i in range(4)], np.uint16)
+        blocks[:, 48:56] = ((words & 0x0FFF) | (nibbles << 12)).view(np.uint8)
+    else:
+        blocks[:, 0:2] = np.array([bits & 0xFF, bits >> 8], np.uint8)
 
 
 def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""quantize: bytes against the gguf package's quantisers (q8_0, q4_0, mxfp4, bf16), k-quants decoded
+"""quantize: bytes against the gguf package's quantisers (q8_0, q4_0, q4_1, q5_0, q5_1, mxfp4, tq1_0,
+tq2_0, bf16), k-quants decoded
 by gguf's numpy dequantisers (round-trip error, idempotence), edge cases, refusals and the 3-D layout."""
 
 import hashlib
@@ -10,10 +11,10 @@ import torch
 
 from moerun.quant import quantize as quantize_module
 from moerun.quant.formats import FORMATS, FormatError
-from moerun.quant.quantize import quantize, quantize_rows
+from moerun.quant.quantize import READ_ONLY, WRITABLE, quantize, quantize_rows
 
 KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
-GGUF_BIT_EXACT = ["q8_0", "q4_0", "mxfp4"]
+GGUF_BIT_EXACT = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "tq1_0", "tq2_0"]
 
 
 def ours(name: str, x: np.ndarray) -> np.ndarray:
@@ -82,6 +83,7 @@ EDGE_CASES = [
 @pytest.mark.parametrize(("name", "case"), EDGE_CASES)
 def test_bytes_match_gguf_on_edge_cases(name, case):
     x = edge_rows()[case]
+    x = np.tile(x, (1, FORMATS[name].block_size // 32))  # rows of whole 256-element blocks for tq*
     with np.errstate(all="ignore"):  # gguf's numpy divides by zero and casts inf on these rows
         expected = gguf.quants.quantize(x, gguf_type(name))
     np.testing.assert_array_equal(ours(name, x), expected)
@@ -336,7 +338,9 @@ def test_a_row_that_is_not_a_whole_number_of_blocks_is_refused(name):
         quantize(torch.zeros(2, block + 16), name)
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q8_0", "q4_k", "q6_k", "f16"])
+@pytest.mark.parametrize(
+    "name", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k", "iq4_nl", "iq4_xs", "tq2_0", "f16"]
+)
 def test_values_beyond_fp16_scales_are_refused(name):
     """ggml would store an inf scale (or f16 value), which decodes to inf or NaN."""
     x = torch.ones(1, 256)
@@ -357,7 +361,7 @@ def test_other_inputs_are_refused():
 # ---------------------------------------------------------------- layout
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("name", WRITABLE)
 def test_each_expert_is_the_contiguous_slice_of_quantising_it_alone(name):
     x = torch.from_numpy(gaussian(3 * 4, 512, seed=5)).reshape(3, 4, 512)
     q = quantize(x, name)
@@ -367,9 +371,19 @@ def test_each_expert_is_the_contiguous_slice_of_quantising_it_alone(name):
         assert torch.equal(q.data[e], alone.data) and torch.equal(q.expert(e).data, alone.data)
 
 
-@pytest.mark.parametrize("name", ["mxfp4", "q3_k", "q5_k"])
+@pytest.mark.parametrize("name", ["mxfp4", "q3_k", "q5_k", "iq4_xs"])
 def test_chunking_does_not_change_the_bytes(name, monkeypatch):
     x = torch.from_numpy(gaussian(6, 1024, seed=6))
     whole = quantize_rows(FORMATS[name], x)
     monkeypatch.setattr(quantize_module, "CHUNK_ELEMENTS", 768)  # 3 super-blocks, or 24 blocks
     assert torch.equal(quantize_rows(FORMATS[name], x), whole)
+
+
+def test_every_format_is_either_written_or_said_why_not():
+    assert sorted([*WRITABLE, *READ_ONLY]) == sorted(FORMATS)
+
+
+@pytest.mark.parametrize("name", sorted(READ_ONLY))
+def test_a_format_moerun_only_reads_is_refused_with_the_reason(name):
+    with pytest.raises(FormatError, match=rf"^moerun reads {name} but cannot write it: .*importance matrix"):
+        quantize_rows(FORMATS[name], torch.zeros(2, 256))

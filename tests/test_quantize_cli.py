@@ -75,20 +75,24 @@ CASES = {
         ["--experts", "q8_0", "--rest", "q8_0"],
         ("q8_0", "q8_0", "q8_0"),
     ),
-    # expert rows of 96 are not q4_k blocks: down falls back to q8_0
-    "olmoe-q4_k-rows-of-96-rest-bf16": (
+    # expert rows of 96 are not q6_k blocks: down falls back to q8_0 (q4_k's fallback, q5_0: below)
+    "olmoe-q6_k-rows-of-96-rest-bf16": (
         "olmoe",
         dict(intermediate_size=96),
-        ["--experts", "q4_k", "--rest", "bf16"],
-        ("q4_k", "q4_k", "bf16"),
+        ["--experts", "q6_k", "--rest", "bf16"],
+        ("q6_k", "q6_k", "bf16"),
     ),
     "mixtral-mxfp4": ("mixtral", {}, ["--experts", "mxfp4"], ("mxfp4", "mxfp4", "f16")),
 }
 GGML_TYPES = {
     "f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K",
-    "mxfp4": "MXFP4",
+    "mxfp4": "MXFP4", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL", "q4_0": "Q4_0", "q4_1": "Q4_1",
+    "q5_0": "Q5_0", "q5_1": "Q5_1", "tq1_0": "TQ1_0", "tq2_0": "TQ2_0",
 }  # fmt: skip
-BLOCK = {"f32": 1, "f16": 1, "bf16": 1, "q8_0": 32, "q4_k": 256, "q6_k": 256, "mxfp4": 32}
+BLOCK = {
+    "f32": 1, "f16": 1, "bf16": 1, "q8_0": 32, "q4_k": 256, "q6_k": 256, "mxfp4": 32, "iq4_xs": 256,
+    "iq4_nl": 32, "q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "tq1_0": 256, "tq2_0": 256,
+}  # fmt: skip
 IDS = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(3))
 PROMPT = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -103,9 +107,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# llama-quantize's fallbacks for rows that are not whole blocks (llama-quant.cpp, tensor_type_fallback)
+LLAMA_CPP_FALLBACKS = {"q4_k": "q5_0", "q6_k": "q8_0", "iq4_xs": "iq4_nl", "tq1_0": "q4_0", "tq2_0": "q4_0"}
+
+
 def stored_format(fmt: str, row: int) -> str:
-    """llama-quantize's fallback: rows that are not whole blocks go to q8_0 if they can, else f16."""
-    return fmt if row % BLOCK[fmt] == 0 else "q8_0" if row % 32 == 0 else "f16"
+    """llama-quantize's choice: rows that are not whole blocks go to the fallback if they can, else f16."""
+    if row % BLOCK[fmt] == 0:
+        return fmt
+    fallback = LLAMA_CPP_FALLBACKS.get(fmt, "f16")
+    return fallback if row % BLOCK[fallback] == 0 else "f16"
 
 
 def as_stored(tensor: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -224,15 +235,15 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_stored_weights(case,
 
 
 def test_fallbacks_are_said(converted):
-    *_, log = converted("olmoe-q4_k-rows-of-96-rest-bf16")
+    *_, log = converted("olmoe-q6_k-rows-of-96-rest-bf16")
     assert any("ffn_down_exps.weight: rows of 96" in line and "q8_0" in line for line in log)
     *_, log = converted("qwen2_moe-q8_0-rest-q8_0")
     assert any("ffn_down_shexp.weight: rows of 48" in line and "f16" in line for line in log)
 
 
 REPORTED = {
-    "olmoe-q4_k-rows-of-96-rest-bf16": (
-        "experts gate/up q4_k, down q8_0 (rows of 96 are not whole 256-element q4_k blocks); "
+    "olmoe-q6_k-rows-of-96-rest-bf16": (
+        "experts gate/up q6_k, down q8_0 (rows of 96 are not whole 256-element q6_k blocks); "
         "other 2-D weights bf16; norms, biases and routers f32"
     ),
     "qwen2_moe-q8_0-rest-q8_0": (
@@ -354,12 +365,107 @@ def test_an_interrupted_write_leaves_no_file(checkpoints, tmp_path, monkeypatch)
     assert list(tmp_path.iterdir()) == []
 
 
+# The formats added with the i-quants, each read back by the gguf package and run against
+# transformers on the stored weights (the cpu backend needs native kernels for them).
+# name: (family, extra model config, options, (gate/up, down, rest) formats)
+NEW_FORMAT_CASES = {
+    "qwen3_moe-iq4_xs-down-q5_1-rest-q5_0": (
+        "qwen3_moe",
+        {},
+        ["--experts", "iq4_xs", "--down", "q5_1", "--rest", "q5_0"],
+        ("iq4_xs", "q5_1", "q5_0"),
+    ),
+    "mixtral-iq4_nl-down-q4_1-rest-iq4_nl": (
+        "mixtral",
+        {},
+        ["--experts", "iq4_nl", "--down", "q4_1", "--rest", "iq4_nl"],
+        ("iq4_nl", "q4_1", "iq4_nl"),
+    ),
+    "olmoe-tq2_0-down-tq1_0-rest-q5_1": (
+        "olmoe",
+        {},
+        ["--experts", "tq2_0", "--down", "tq1_0", "--rest", "q5_1"],
+        ("tq2_0", "tq1_0", "q5_1"),
+    ),
+    # down's rows of 96 are not whole 256-element blocks: llama-quantize's fallbacks, iq4_nl and q5_0
+    "olmoe-q4_k-rows-of-96": (
+        "olmoe",
+        dict(intermediate_size=96),
+        ["--experts", "q4_k"],
+        ("q4_k",) * 2 + ("f16",),
+    ),
+    "olmoe-iq4_xs-rows-of-96": (
+        "olmoe",
+        dict(intermediate_size=96),
+        ["--experts", "iq4_xs"],
+        ("iq4_xs",) * 2 + ("f16",),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def converted_new(checkpoints, tmp_path_factory):
+    done = {}
+
+    def get(case: str):
+        if case not in done:
+            model_type, extra, options, _ = NEW_FORMAT_CASES[case]
+            model, directory = checkpoints(model_type, extra)
+            out = tmp_path_factory.mktemp("gguf") / f"{case}.gguf"
+            with contextlib.redirect_stderr(io.StringIO()):
+                assert main(["quantize", str(directory), str(out), *options]) == 0
+            done[case] = model, out
+        return done[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(NEW_FORMAT_CASES))
+def test_new_formats_are_written_as_asked_and_read_by_the_gguf_package(case, converted_new):
+    _, _, _, (gate_up, down, rest) = NEW_FORMAT_CASES[case]
+    model, out = converted_new(case)
+    reader = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    intermediate = getattr(model.config, "moe_intermediate_size", None) or model.config.intermediate_size
+    assert types["blk.1.ffn_up_exps.weight"] == GGML_TYPES[gate_up]
+    assert types["blk.1.ffn_down_exps.weight"] == GGML_TYPES[stored_format(down, intermediate)]
+    assert types["blk.1.attn_q.weight"] == types["token_embd.weight"] == GGML_TYPES[rest]
+    file_type = "MOSTLY_Q4_K_S" if gate_up == "q4_k" else f"MOSTLY_{gate_up.upper()}"
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType[file_type])
+    # the bytes are those of moerun's quantiser on the checkpoint's weights (gguf's reader decodes them)
+    tensor = next(t for t in reader.tensors if t.name == "blk.1.ffn_up_exps.weight")
+    decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    up = model.model.layers[1].mlp.experts.gate_up_proj.detach().chunk(2, dim=-2)[1]
+    np.testing.assert_array_equal(decoded, as_stored(up, gate_up).numpy())
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("case", list(NEW_FORMAT_CASES))
+def test_new_formats_match_transformers_on_the_stored_weights(case, backend, converted_new):
+    *_, formats = NEW_FORMAT_CASES[case]
+    hf_model, out = converted_new(case)
+    oracle = with_stored_weights(hf_model, *formats)
+    model = moerun.load(out, dtype=torch.float32, backend=backend)
+    assert rel_err(model.logits(IDS), hf_logits(oracle, IDS)) <= 1e-4
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
         (["--experts", "q4_x"], r"--experts 'q4_x' is not a format moerun writes; use one of q2_k, .*mxfp4"),
         (["--experts", "q4_k", "--down", "q9"], r"--down 'q9' is not a format"),
-        (["--experts", "q4_k", "--rest", "q4_k"], r"--rest 'q4_k' is not a format .* f16, bf16, f32, q8_0"),
+        (
+            ["--experts", "q4_k", "--rest", "q4_k"],
+            r"--rest 'q4_k' is not a format moerun writes for the other 2-D weights; use one of f16, bf16, "
+            r"f32, q8_0",
+        ),
+        (
+            ["--experts", "iq2_xxs"],
+            r"--experts iq2_xxs: moerun reads iq2_xxs but cannot write it: ggml makes it only with an "
+            r"importance matrix .*llama-quantize",
+        ),
+        (["--experts", "q4_k", "--down", "iq3_s"], r"--down iq3_s: moerun reads iq3_s but cannot write it: "),
+        (["--experts", "q4_k", "--rest", "iq1_m"], r"--rest iq1_m: moerun reads iq1_m but cannot write it: "),
     ],
 )
 def test_unknown_formats_are_refused(checkpoints, tmp_path, capsys, options, message):

@@ -13,11 +13,16 @@ def add_parser(commands) -> None:
     quantize.add_argument("src", help="a HF checkpoint directory, or a hub id in the local cache")
     quantize.add_argument("out", help="the .gguf file to write")
     quantize.add_argument(
-        "--experts", required=True, help="format of the expert projections: q4_k, q6_k, q8_0, mxfp4, ..."
+        "--experts",
+        required=True,
+        help="format of the expert projections: q2_k .. q6_k, iq4_xs, iq4_nl, q4_0, q4_1, q5_0, q5_1, q8_0, "
+        "tq1_0, tq2_0, mxfp4, f16, bf16, f32 (the other i-quants need an importance matrix: llama-quantize)",
     )
     quantize.add_argument("--down", help="format of the experts' down projection (default: --experts)")
     quantize.add_argument(
-        "--rest", default="f16", help="format of the other 2-D weights: f16 (default), bf16, f32, q8_0"
+        "--rest",
+        default="f16",
+        help="format of the other 2-D weights: f16 (default), bf16, f32, q8_0, q5_1, q5_0, iq4_nl",
     )
     quantize.add_argument("--force", action="store_true", help="replace OUT if it exists")
     quantize.add_argument("-t", "--threads", type=int, default=1, help="torch threads while quantising")

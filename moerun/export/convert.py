@@ -1,6 +1,6 @@
 """What a GGUF file written by `moerun quantize` stores for each tensor: the formats a user asks for
 (`QuantizeSpec`) and the conversion of one GGUF-named tensor to them (`TensorConverter`), with
-llama.cpp's fallbacks where rows are not whole blocks of a format."""
+llama-quantize's fallbacks where rows are not whole blocks of a format."""
 
 from __future__ import annotations
 
@@ -13,12 +13,22 @@ import torch
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import FLOAT_DTYPES, FORMATS, FormatError, QFormat, QTensor, get_format
 from moerun.quant.mxfp4_layouts import gpt_oss_layout_to_mxfp4
-from moerun.quant.quantize import quantize_rows
+from moerun.quant.quantize import READ_ONLY, not_writable, quantize_rows
 
 Tensor = torch.Tensor | QTensor
 
-EXPERT_FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "mxfp4", "f16", "bf16", "f32")
-REST_FORMATS = ("f16", "bf16", "f32", "q8_0")
+EXPERT_FORMATS = (
+    *("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq4_nl", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0"),
+    *("tq1_0", "tq2_0", "mxfp4", "f16", "bf16", "f32"),
+)
+# llama.cpp's types for 2-D weights outside the experts, besides the float ones
+REST_FORMATS = ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "iq4_nl")
+# llama-quantize's type for rows that are not whole blocks of the one asked for (tensor_type_fallback
+# in llama-quant.cpp); f16 where the fallback's blocks do not fit either, or there is none.
+FALLBACKS = {
+    "q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "iq4_xs": "iq4_nl",
+    "tq1_0": "q4_0", "tq2_0": "q4_0",
+}  # fmt: skip
 _EXPERT_PROJECTION = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
 _CHUNK_ELEMENTS = 1 << 22  # rows are converted a slice of about this many elements at a time
 
@@ -47,9 +57,12 @@ class QuantizeSpec:
             ("--down", self.down or self.experts, EXPERT_FORMATS),
             ("--rest", self.rest, REST_FORMATS),
         ):
+            if fmt in READ_ONLY:
+                raise ExportError(f"{option} {fmt}: {not_writable(fmt)}")
             if fmt not in known:
+                where = " for the other 2-D weights" if fmt in EXPERT_FORMATS else ""
                 raise ExportError(
-                    f"{option} {fmt!r} is not a format moerun writes; use one of {', '.join(known)}."
+                    f"{option} {fmt!r} is not a format moerun writes{where}; use one of {', '.join(known)}."
                 )
 
     @property
@@ -81,11 +94,13 @@ class TensorConverter:
         return self._rows(name, tensor, fmt)
 
     def _fitting(self, name: str, fmt: str, row: int) -> tuple[str, str]:
-        """(`fmt`, "") or, where rows of `row` elements are not whole blocks of it, (q8_0 or f16, why)."""
+        """(`fmt`, "") or, where rows of `row` elements are not whole blocks of it, (its fallback, why)."""
         block = FORMATS[fmt].block_size
         if row % block == 0:
             return fmt, ""
-        fallback = "q8_0" if row % 32 == 0 else "f16"
+        fallback = FALLBACKS.get(fmt, "f16")
+        if row % FORMATS[fallback].block_size:
+            fallback = "f16"
         what = _kind(name)  # one message for all layers
         if what not in self._said:
             self._said.add(what)

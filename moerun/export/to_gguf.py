@@ -8,9 +8,10 @@ deepseek2 reads it.
 
 Formats (moerun.export.convert), as llama.cpp keeps them: expert projections in `spec.experts` (down
 in `spec.down`); 1-D tensors, biases and the router (ffn_gate_inp) in f32; the other 2-D weights in
-`spec.rest`. Rows that are not whole blocks of a format fall back to q8_0 (rows of 32s) or else f16,
-as llama-quantize falls back; the fallback is said on the log, and each layer's line and the closing
-summary name the formats stored, not the ones asked for. GPT-OSS's MXFP4 experts become
+`spec.rest`. Rows that are not whole blocks of a format fall back as llama-quantize falls back (q4_k
+to q5_0, q6_k to q8_0, iq4_xs to iq4_nl, ...: `convert.FALLBACKS`) or else to f16; the fallback is
+said on the log, and each layer's line and the closing summary name the formats stored, not the ones
+asked for. GPT-OSS's MXFP4 experts become
 GGUF MXFP4 without loss. Before any weight is read, the metadata is read back as `gguf_checkpoint`
 reads it, and a model that the file would describe differently (a sliding window the arch lacks,
 another routing rule) is refused.
@@ -53,8 +54,9 @@ from moerun.quant.formats import QTensor
 
 # general.file_type (llama.cpp's llama_ftype) by expert format: the "mostly" type of the bulk
 FILE_TYPES = {
-    "f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q2_k": 10, "q3_k": 11, "q4_k": 14, "q5_k": 16,
-    "q6_k": 18, "bf16": 32, "mxfp4": 38,
+    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 11,
+    "q4_k": 14, "q5_k": 16, "q6_k": 18, "iq4_nl": 25, "iq4_xs": 30, "bf16": 32, "tq1_0": 36,
+    "tq2_0": 37, "mxfp4": 38,
 }  # fmt: skip
 QUANTIZATION_VERSION = 2  # general.quantization_version of ggml's current block layouts
 _CHECKPOINT_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")  # as moerun.checkpoint.hf

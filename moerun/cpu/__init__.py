@@ -5,7 +5,8 @@ as single calls.
 Weights stay in their file format (`moerun.quant.formats`): rows of raw bytes uint8 [out, row_bytes]
 (ggml's block layouts), or dense f32/f16/bf16 [out, in]. Two modes:
   exact    fp32 activations; weights decoded with dequant.py's float operations; fp32 multiply-adds.
-  integer  activations quantised per block (q8_K for the k-quants, q8_0 for q8_0/q4_0/mxfp4; float
+  integer  activations quantised per block (q8_K for the 256-element formats: k-quants, i-quants,
+           tq1_0/tq2_0; q8_0 for the 32-element ones, with its sum for q4_1's and q5_1's min; float
            weights keep fp32), integer dot products, scales applied per block in fp32, as llama.cpp.
 Results are bitwise reproducible: each output element is computed by one thread in an order that
 depends on neither the thread count nor buffer addresses. The layer builds itself on first use

@@ -14,6 +14,8 @@
 /* Format ids: the order of moerun.cpu.library.FORMAT_IDS. */
 enum {
     F_F32, F_F16, F_BF16, F_Q8_0, F_Q4_0, F_Q2_K, F_Q3_K, F_Q4_K, F_Q5_K, F_Q6_K, F_MXFP4, F_MXFP4_OSS,
+    F_Q4_1, F_Q5_0, F_Q5_1, F_IQ4_NL, F_IQ2_XXS, F_IQ2_XS, F_IQ2_S, F_IQ3_XXS, F_IQ3_S, F_IQ1_S, F_IQ1_M,
+    F_IQ4_XS, F_TQ1_0, F_TQ2_0,
     F_COUNT
 };
 
@@ -28,7 +30,8 @@ typedef struct {
 } q8k_t;
 
 /* q8_0 activations: value i = d * qs[i], d an fp16 value held as float (ggml stores it as fp16);
- * sum = sum of qs (for q4_0's offset of 8). */
+ * sum = sum of qs (for q4_0's offset of 8, and q4_1's and q5_1's min, where ggml pairs them with
+ * q8_1, whose s is d * sum). */
 typedef struct {
     float d;
     int32_t sum;

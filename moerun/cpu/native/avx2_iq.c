@@ -1,5 +1,5 @@
 /* AVX2 integer-mode kernels of the grid i-quants and the ternary formats x q8_K (iq2_xxs, iq2_xs,
- * iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m, tq2_0), used by the avx2 and avx512 variants. They compute
+ * iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m, tq1_0, tq2_0), used by the avx2 and avx512 variants. They compute
  * generic.c's integer mode bit for bit: per super-block the exact int32 S = sum over sub-blocks of
  * sc * dot (generic.c's k-quant form, iq_unpack.h's values), then acc += (yd * d) * S in fp32.
  * As ggml-cpu's AVX2 vec_dot functions: each run of 32 weights is built from its grid entries (one
@@ -195,6 +195,41 @@ static inline void decode_tq2_0(const uint8_t *b, runs_t *s) {
     s->d = f16_at(b + 64);
 }
 
+/* TQ1_0's base-3 digit k of each byte v, ((v * 3^k mod 256) * 3) >> 8, from p = v * 3^k mod 256:
+ * per 16-bit lane, the low byte's as mulhi(lo, 768) and the high byte's as mulhi(hi * 256, 3). */
+static inline __m256i tq1_digit(__m256i p) {
+    const __m256i lo = _mm256_mulhi_epu16(_mm256_and_si256(p, _mm256_set1_epi16(0x00FF)), _mm256_set1_epi16(768));
+    const __m256i hi = _mm256_mulhi_epu16(_mm256_and_si256(p, _mm256_set1_epi16((short)0xFF00)), _mm256_set1_epi16(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 8));
+}
+
+static inline __m256i times3(__m256i p) { return _mm256_add_epi8(p, _mm256_add_epi8(p, p)); }
+
+/* TQ1_0: bytes 0-31 give runs 0-4 (digit k: run k); bytes 32-47 give elements 160 + 16k + j (runs
+ * 5, 6 and the first half of 7); bytes 48-51 give 240 + 4k + j. Value digit - 1. */
+static inline void decode_tq1_0(const uint8_t *b, runs_t *s) {
+    __m256i c[8];
+    __m256i p = _mm256_loadu_si256((const __m256i *)b);
+    for (int k = 0; k < 5; k++, p = times3(p)) c[k] = tq1_digit(p);
+    /* bytes 32-47 times 3^k in the low half, 3^(k + 1) in the high: digits (0, 1), (2, 3), (4, 5) */
+    const __m128i mid = _mm_loadu_si128((const __m128i *)(b + 32));
+    __m256i q = _mm256_set_m128i(_mm_add_epi8(mid, _mm_add_epi8(mid, mid)), mid);
+    c[5] = tq1_digit(q);
+    q = times3(times3(q));
+    c[6] = tq1_digit(q);
+    q = times3(times3(q));
+    uint8_t tail[16]; /* bytes 48-51 times 3^k, k = 0..3 */
+    for (int k = 0, pow = 1; k < 4; k++, pow *= 3)
+        for (int j = 0; j < 4; j++) tail[4 * k + j] = (uint8_t)(b[48 + j] * pow);
+    const __m256i last = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)tail), _mm256_castsi256_si128(q));
+    c[7] = tq1_digit(last);
+    for (int r = 0; r < 8; r++) {
+        from_signed(_mm256_sub_epi8(c[r], _mm256_set1_epi8(1)), &s->mag[r], &s->neg[r]);
+        s->sc[r] = _mm256_set1_epi16(1);
+    }
+    s->d = f16_at(b + 52);
+}
+
 typedef void (*decode_fn)(const uint8_t *, runs_t *);
 
 static inline __attribute__((always_inline)) void runs_body(ROWS_ARGS, int bytes, decode_fn decode) {
@@ -235,6 +270,7 @@ RUNS_FORMAT(iq3_s, 110)
 RUNS_FORMAT(iq1_s, 50)
 RUNS_FORMAT(iq1_m, 56)
 RUNS_FORMAT(tq2_0, 66)
+RUNS_FORMAT(tq1_0, 54)
 
 void init_avx2_iq(void) {
     FMT[F_IQ2_XXS].integer = iq2_xxs_int;
@@ -245,6 +281,7 @@ void init_avx2_iq(void) {
     FMT[F_IQ1_S].integer = iq1_s_int;
     FMT[F_IQ1_M].integer = iq1_m_int;
     FMT[F_TQ2_0].integer = tq2_0_int;
+    FMT[F_TQ1_0].integer = tq1_0_int;
 }
 #else
 void init_avx2_iq(void) {}

@@ -24,13 +24,13 @@ fp32 steps, so prefill equals decode (T = 1) bit for bit. The MoE step takes it 
 experts with that many tokens.
 
 The formats added second (q4_1, q5_0, q5_1, iq4_nl, iq4_xs, the grid i-quants, tq1_0, tq2_0) give the
-same bits in integer mode on every variant: their SIMD kernels (avx2_iq4.c, avx512_iq4.c, avx2_iq.c)
-compute generic.c's exact int32 sums and its fp32 steps in its order.
+same bits in integer mode on every variant: their SIMD kernels (avx2_iq4.c, avx512_iq4.c, avx2_iq.c,
+avx512_iq.c) compute generic.c's exact int32 sums and its fp32 steps in its order.
 
 Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
 exact mode for q2_k/q3_k/q5_k and the formats added second on every variant and for every block
-format on avx2; integer mode for q2_k/q3_k/q5_k on avx2; AVX-512 kernels of the grid i-quants and
-tq1_0/tq2_0 (their AVX2 ones run there). No GEMM for exact mode, for q2_k/q3_k, for the formats
+format on avx2; integer mode for q2_k/q3_k/q5_k on avx2; AVX-512 kernels of iq1_s, iq1_m and tq1_0
+(their AVX2 ones run there). No GEMM for exact mode, for q2_k/q3_k, for the formats
 added second, or on avx2: there, large T is tiled (weights stay in L2) through the row kernels.
 """
 

@@ -1,0 +1,171 @@
+/* AVX-512 integer-mode kernels of iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s and tq2_0 x q8_K: the same
+ * bits as generic.c's (and avx2_iq.c's): per super-block the exact int32 S = sum of sc * dot, then
+ * acc += (yd * d) * S in fp32. Two runs of 32 elements per zmm: grid entries gathered (vpgatherqq /
+ * vpgatherdd), the sign bits as a mask that negates the activations, u8 x s8 pairs (vpmaddubsw) and
+ * the scales in int32 (vpdpwssd). iq1_s, iq1_m and tq1_0 keep avx2_iq.c's kernels. */
+#include "avx512.h"
+
+#ifdef MOERUN_AVX512
+#include "iq_unpack.h"
+
+/* One super-block as 4 pairs of runs: magnitudes, a mask of the negative values, int16 scales
+ * (lanes 8i .. 8i + 7 for the pair's elements 16i .. 16i + 15), and d. */
+typedef struct {
+    __m512i mag[4], sc[4];
+    __mmask64 neg[4];
+    float d;
+} pairs_t;
+
+/* int16 lanes 8i .. 8i + 7 = s[i]: one scale per 16 elements of a pair of runs. */
+static inline __m512i scales4(int s0, int s1, int s2, int s3) {
+    const __m512i which = _mm512_srli_epi16(
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
+                         7, 6, 5, 4, 3, 2, 1, 0),
+        3);
+    return _mm512_permutexvar_epi16(which, _mm512_castsi128_si512(_mm_setr_epi16((short)s0, (short)s1, (short)s2,
+                                                                                 (short)s3, 0, 0, 0, 0)));
+}
+
+/* Eight 7-bit indices into ksigns_iq2xs (four in each of two uint32, at bits 0, 7, 14, 21) -> 64 sign bits. */
+static inline __mmask64 ksigns8(uint32_t a, uint32_t b) {
+    uint64_t bits = 0;
+    for (int l = 0; l < 4; l++) {
+        bits |= (uint64_t)KSIGNS_IQ2XS[(a >> (7 * l)) & 127] << (8 * l);
+        bits |= (uint64_t)KSIGNS_IQ2XS[(b >> (7 * l)) & 127] << (8 * l + 32);
+    }
+    return (__mmask64)bits;
+}
+
+static inline uint64_t rd64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline void pairs_iq2_xxs(const uint8_t *b, pairs_t *s) {
+    for (int c = 0; c < 4; c++) {
+        const uint8_t *p = b + 2 + 16 * c; /* run 2c: 4 index bytes, uint32 aux; then run 2c + 1 */
+        const uint32_t a = rd32(p + 4), bb = rd32(p + 12);
+        const __m512i idx = _mm512_cvtepu8_epi64(_mm_cvtsi64_si128((long long)(rd32(p) | (uint64_t)rd32(p + 8) << 32)));
+        s->mag[c] = _mm512_i64gather_epi64(idx, (const void *)IQ2XXS_GRID, 8);
+        s->neg[c] = ksigns8(a, bb);
+        const int la = 2 * (int)(a >> 28) + 1, lb = 2 * (int)(bb >> 28) + 1;
+        s->sc[c] = scales4(la, la, lb, lb);
+    }
+    s->d = f16_at(b) * 0.125f;
+}
+
+static inline void pairs_iq2_xs(const uint8_t *b, pairs_t *s) {
+    for (int c = 0; c < 4; c++) {
+        const __m128i words = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)); /* 8 uint16 */
+        const __m512i idx = _mm512_cvtepu16_epi64(_mm_and_si128(words, _mm_set1_epi16(511)));
+        s->mag[c] = _mm512_i64gather_epi64(idx, (const void *)IQ2XS_GRID, 8);
+        uint64_t bits = 0;
+        for (int l = 0; l < 8; l++) bits |= (uint64_t)KSIGNS_IQ2XS[rd16(b + 2 + 16 * c + 2 * l) >> 9] << (8 * l);
+        s->neg[c] = (__mmask64)bits;
+        const uint8_t sa = b[66 + 2 * c], sb = b[67 + 2 * c];
+        s->sc[c] = scales4(2 * (sa & 0xF) + 1, 2 * (sa >> 4) + 1, 2 * (sb & 0xF) + 1, 2 * (sb >> 4) + 1);
+    }
+    s->d = f16_at(b) * 0.125f;
+}
+
+static inline void pairs_iq2_s(const uint8_t *b, pairs_t *s) {
+    const __m512i shifts = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+    for (int c = 0; c < 4; c++) {
+        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c)));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(rd16(b + 66 + 2 * c)), shifts),
+                                            _mm512_set1_epi64(3));
+        s->mag[c] = _mm512_i64gather_epi64(_mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)), (const void *)IQ2S_GRID, 8);
+        s->neg[c] = (__mmask64)rd64(b + 34 + 8 * c);
+        const uint8_t sa = b[74 + 2 * c], sb = b[75 + 2 * c];
+        s->sc[c] = scales4(2 * (sa & 0xF) + 1, 2 * (sa >> 4) + 1, 2 * (sb & 0xF) + 1, 2 * (sb >> 4) + 1);
+    }
+    s->d = f16_at(b) * 0.125f;
+}
+
+static inline void pairs_iq3_xxs(const uint8_t *b, pairs_t *s) {
+    for (int c = 0; c < 4; c++) {
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
+        s->mag[c] = _mm512_i32gather_epi32(idx, (const void *)IQ3XXS_GRID, 4);
+        const uint32_t a = rd32(b + 66 + 8 * c), bb = rd32(b + 70 + 8 * c);
+        s->neg[c] = ksigns8(a, bb);
+        const int la = 2 * (int)(a >> 28) + 1, lb = 2 * (int)(bb >> 28) + 1;
+        s->sc[c] = scales4(la, la, lb, lb);
+    }
+    s->d = f16_at(b) * 0.25f;
+}
+
+static inline void pairs_iq3_s(const uint8_t *b, pairs_t *s) {
+    for (int c = 0; c < 4; c++) {
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
+        idx = _mm512_or_si512(idx, _mm512_maskz_set1_epi32((__mmask16)rd16(b + 66 + 2 * c), 256)); /* bit 8 */
+        s->mag[c] = _mm512_i32gather_epi32(idx, (const void *)IQ3S_GRID, 4);
+        s->neg[c] = (__mmask64)rd64(b + 74 + 8 * c);
+        const int la = 2 * (b[106 + c] & 0xF) + 1, lb = 2 * (b[106 + c] >> 4) + 1;
+        s->sc[c] = scales4(la, la, lb, lb);
+    }
+    s->d = f16_at(b);
+}
+
+/* TQ2_0: pair c = runs 2c, 2c + 1 = the fields at shifts 4(c % 2) and 4(c % 2) + 2 of bytes
+ * 32(c / 2) .. + 31; value code - 1 (code 3, which ggml's quantiser never writes, is 2). */
+static inline void pairs_tq2_0(const uint8_t *b, pairs_t *s) {
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); /* 0 | 2 */
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 32 * (c / 2))));
+        const __m512i code = _mm512_and_si512(
+            _mm512_srlv_epi16(v, _mm512_add_epi16(shift, _mm512_set1_epi16((short)(4 * (c % 2))))), _mm512_set1_epi8(3));
+        s->mag[c] = _mm512_abs_epi8(_mm512_sub_epi8(code, _mm512_set1_epi8(1)));
+        s->neg[c] = _mm512_cmpeq_epi8_mask(code, _mm512_setzero_si512());
+        s->sc[c] = _mm512_set1_epi16(1);
+    }
+    s->d = f16_at(b + 64);
+}
+
+typedef void (*pairs_fn)(const uint8_t *, pairs_t *);
+
+static inline __attribute__((always_inline)) void pairs_body(ROWS_ARGS, int bytes, pairs_fn decode) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T] = {0};
+        for (int64_t b = 0; b < n / 256; b++) {
+            pairs_t s;
+            decode(row + b * bytes, &s);
+            for (int t = 0; t < T; t++) {
+                const q8k_t *y = (const q8k_t *)xs[t] + b;
+                __m512i sum = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    __m512i x = _mm512_loadu_si512((const void *)(y->qs + 64 * c));
+                    x = _mm512_mask_sub_epi8(x, s.neg[c], _mm512_setzero_si512(), x);
+                    sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(s.mag[c], x), s.sc[c]);
+                }
+                acc[t] += (y->d * s.d) * (float)_mm512_reduce_add_epi32(sum);
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
+    }
+}
+
+#define PAIRS_FORMAT(name, bytes)                                                                      \
+    static void name##_int(ROWS_ARGS) {                                                                \
+        if (T == 1) pairs_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                       \
+        else pairs_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                              \
+    }
+PAIRS_FORMAT(iq2_xxs, 66)
+PAIRS_FORMAT(iq2_xs, 74)
+PAIRS_FORMAT(iq2_s, 82)
+PAIRS_FORMAT(iq3_xxs, 98)
+PAIRS_FORMAT(iq3_s, 110)
+PAIRS_FORMAT(tq2_0, 66)
+
+void init_avx512_iq(void) {
+    FMT[F_IQ2_XXS].integer = iq2_xxs_int;
+    FMT[F_IQ2_XS].integer = iq2_xs_int;
+    FMT[F_IQ2_S].integer = iq2_s_int;
+    FMT[F_IQ3_XXS].integer = iq3_xxs_int;
+    FMT[F_IQ3_S].integer = iq3_s_int;
+    FMT[F_TQ2_0].integer = tq2_0_int;
+}
+#else
+void init_avx512_iq(void) {}
+#endif

@@ -29,9 +29,9 @@ avx512_iq.c) compute generic.c's exact int32 sums and its fp32 steps in its orde
 
 Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
 exact mode for q2_k/q3_k/q5_k and the formats added second on every variant and for every block
-format on avx2; integer mode for q2_k/q3_k/q5_k on avx2; AVX-512 kernels of iq1_s, iq1_m and tq1_0
-(their AVX2 ones run there). No GEMM for exact mode, for q2_k/q3_k, for the formats
-added second, or on avx2: there, large T is tiled (weights stay in L2) through the row kernels.
+format on avx2; integer mode for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k,
+for the formats added second, or on avx2: there, large T is tiled (weights stay in L2) through the
+row kernels.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-/* AVX-512 integer-mode kernels of iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s and tq2_0 x q8_K: the same
+/* AVX-512 integer-mode kernels of the grid i-quants, tq1_0 and tq2_0 x q8_K: the same
  * bits as generic.c's (and avx2_iq.c's): per super-block the exact int32 S = sum of sc * dot, then
  * acc += (yd * d) * S in fp32. Two runs of 32 elements per zmm: grid entries gathered (vpgatherqq /
  * vpgatherdd), the sign bits as a mask that negates the activations, u8 x s8 pairs (vpmaddubsw) and
- * the scales in int32 (vpdpwssd). iq1_s, iq1_m and tq1_0 keep avx2_iq.c's kernels. */
+ * the scales in int32 (vpdpwssd); IQ1's and TQ1's signed values as magnitudes and a mask. */
 #include "avx512.h"
 
 #ifdef MOERUN_AVX512
@@ -122,6 +122,97 @@ static inline void pairs_tq2_0(const uint8_t *b, pairs_t *s) {
     s->d = f16_at(b + 64);
 }
 
+/* Signed values (IQ1's, TQ1's): magnitudes and the mask of the negative ones. */
+static inline void pair_from_signed(__m512i q, pairs_t *s, int c) {
+    s->mag[c] = _mm512_abs_epi8(q);
+    s->neg[c] = _mm512_movepi8_mask(q);
+}
+
+/* IQ1: 8 * grid (grid bytes in {-1, 0, 1}, shifted within 16-bit lanes, the bits that cross into
+ * the next byte masked off) plus the deltas. */
+static inline __m512i iq1_values_x8(__m512i grid, __m512i delta) {
+    return _mm512_add_epi8(_mm512_and_si512(_mm512_slli_epi16(grid, 3), _mm512_set1_epi8((char)0xF8)), delta);
+}
+
+static inline void pairs_iq1_s(const uint8_t *b, pairs_t *s) {
+    const __m512i shifts = _mm512_setr_epi64(0, 3, 6, 9, 16, 19, 22, 25);
+    for (int c = 0; c < 4; c++) {
+        const uint16_t qa = rd16(b + 34 + 4 * c), qb = rd16(b + 36 + 4 * c);
+        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c)));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(qa | (uint32_t)qb << 16), shifts),
+                                            _mm512_set1_epi64(7));
+        const __m512i grid =
+            _mm512_i64gather_epi64(_mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)), (const void *)IQ1S_GRID, 8);
+        const __m512i delta = _mm512_inserti64x4(_mm512_set1_epi8((char)(qa >> 15 ? -1 : 1)),
+                                                 _mm256_set1_epi8((char)(qb >> 15 ? -1 : 1)), 1);
+        pair_from_signed(iq1_values_x8(grid, delta), s, c);
+        const int la = 2 * ((qa >> 12) & 7) + 1, lb = 2 * ((qb >> 12) & 7) + 1;
+        s->sc[c] = scales4(la, la, lb, lb);
+    }
+    s->d = f16_at(b) * 0.125f;
+}
+
+static inline void pairs_iq1_m(const uint8_t *b, pairs_t *s) {
+    const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+    uint16_t d_bits = 0;
+    for (int c = 0; c < 4; c++) {
+        const uint16_t word = rd16(b + 48 + 2 * c); /* the pair's 4 scales, one nibble of d */
+        d_bits |= (uint16_t)((word >> 12) << (4 * c));
+        const uint32_t nib = rd32(b + 32 + 4 * c); /* group l: 3 index bits, then the delta's sign */
+        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 8 * c)));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(nib), shifts), _mm512_set1_epi64(7));
+        const __m512i grid =
+            _mm512_i64gather_epi64(_mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)), (const void *)IQ1S_GRID, 8);
+        __mmask8 minus = 0;
+        for (int l = 0; l < 8; l++) minus |= (__mmask8)(((nib >> (4 * l + 3)) & 1) << l);
+        const __m512i delta = _mm512_mask_blend_epi64(minus, _mm512_set1_epi8(1), _mm512_set1_epi8(-1));
+        pair_from_signed(iq1_values_x8(grid, delta), s, c);
+        s->sc[c] = scales4(2 * (word & 7) + 1, 2 * ((word >> 3) & 7) + 1, 2 * ((word >> 6) & 7) + 1,
+                           2 * ((word >> 9) & 7) + 1);
+    }
+    s->d = f16_to_f32(d_bits) * 0.125f;
+}
+
+/* TQ1_0's digit k of each byte v from p = v * 3^k mod 256: ((p * 3) >> 8), per 16-bit lane the low
+ * byte's as mulhi(lo, 768) and the high byte's as mulhi(hi * 256, 3). */
+static inline __m512i tq1_digits_x64(__m512i p) {
+    const __m512i lo = _mm512_mulhi_epu16(_mm512_and_si512(p, _mm512_set1_epi16(0x00FF)), _mm512_set1_epi16(768));
+    const __m512i hi = _mm512_mulhi_epu16(_mm512_and_si512(p, _mm512_set1_epi16((short)0xFF00)), _mm512_set1_epi16(3));
+    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 8));
+}
+
+static inline __m512i times3_x64(__m512i p) { return _mm512_add_epi8(p, _mm512_add_epi8(p, p)); }
+static inline __m256i times3_x32(__m256i p) { return _mm256_add_epi8(p, _mm256_add_epi8(p, p)); }
+static inline __m128i times3_x16(__m128i p) { return _mm_add_epi8(p, _mm_add_epi8(p, p)); }
+
+/* TQ1_0 (iq_unpack.h's layout): pairs (0, 1) and (2, 3) are digits (0, 1), (2, 3) of bytes 0-31;
+ * pair (4, 5) is digit 4 of bytes 0-31, then digits 0, 1 of bytes 32-47; pair (6, 7) digits 2, 3, 4
+ * of bytes 32-47, then digits 0-3 of bytes 48-51. Value digit - 1. */
+static inline void pairs_tq1_0(const uint8_t *b, pairs_t *s) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)b);
+    __m512i p = _mm512_inserti64x4(_mm512_castsi256_si512(v), times3_x32(v), 1);
+    __m512i digits[4];
+    digits[0] = tq1_digits_x64(p);
+    p = times3_x64(times3_x64(p));
+    digits[1] = tq1_digits_x64(p);
+    const __m128i m1 = _mm_loadu_si128((const __m128i *)(b + 32)), m3 = times3_x16(m1), m9 = times3_x16(m3);
+    const __m128i m27 = times3_x16(m9), m81 = times3_x16(m27);
+    uint8_t tail[16]; /* bytes 48-51 times 3^k, k = 0..3 */
+    for (int k = 0, pow = 1; k < 4; k++, pow *= 3)
+        for (int j = 0; j < 4; j++) tail[4 * k + j] = (uint8_t)(b[48 + j] * pow);
+    p = times3_x64(times3_x64(p)); /* low half: bytes 0-31 times 81 */
+    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m1, 2), m3, 3);
+    digits[2] = tq1_digits_x64(p);
+    p = _mm512_inserti32x4(_mm512_castsi128_si512(m9), m27, 1);
+    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m81, 2), _mm_loadu_si128((const __m128i *)tail), 3);
+    digits[3] = tq1_digits_x64(p);
+    for (int c = 0; c < 4; c++) {
+        pair_from_signed(_mm512_sub_epi8(digits[c], _mm512_set1_epi8(1)), s, c);
+        s->sc[c] = _mm512_set1_epi16(1);
+    }
+    s->d = f16_at(b + 52);
+}
+
 typedef void (*pairs_fn)(const uint8_t *, pairs_t *);
 
 static inline __attribute__((always_inline)) void pairs_body(ROWS_ARGS, int bytes, pairs_fn decode) {
@@ -157,6 +248,9 @@ PAIRS_FORMAT(iq2_s, 82)
 PAIRS_FORMAT(iq3_xxs, 98)
 PAIRS_FORMAT(iq3_s, 110)
 PAIRS_FORMAT(tq2_0, 66)
+PAIRS_FORMAT(iq1_s, 50)
+PAIRS_FORMAT(iq1_m, 56)
+PAIRS_FORMAT(tq1_0, 54)
 
 void init_avx512_iq(void) {
     FMT[F_IQ2_XXS].integer = iq2_xxs_int;
@@ -165,6 +259,9 @@ void init_avx512_iq(void) {
     FMT[F_IQ3_XXS].integer = iq3_xxs_int;
     FMT[F_IQ3_S].integer = iq3_s_int;
     FMT[F_TQ2_0].integer = tq2_0_int;
+    FMT[F_IQ1_S].integer = iq1_s_int;
+    FMT[F_IQ1_M].integer = iq1_m_int;
+    FMT[F_TQ1_0].integer = tq1_0_int;
 }
 #else
 void init_avx512_iq(void) {}

@@ -58,7 +58,7 @@ void init_generic(void);
 void init_avx512(void); /* overrides entries of FMT where the variant has faster code */
 void init_avx2(void);
 /* The formats added second, in the same bits as generic.c's: q4_1, q5_0, q5_1, iq4_nl, iq4_xs (_iq4);
- * the grid i-quants, tq1_0 and tq2_0 (_iq; avx512: not iq1_s, iq1_m, tq1_0). */
+ * the grid i-quants, tq1_0 and tq2_0 (_iq). */
 void init_avx2_iq4(void);
 void init_avx512_iq4(void);
 void init_avx2_iq(void);

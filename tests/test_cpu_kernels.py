@@ -244,20 +244,21 @@ def test_exact_mode_decodes_weights_bit_exactly(variant, fmt_name):
     assert torch.equal(y, expected)  # == treats -0 and +0 alike; everything else bit for bit
 
 
-# Formats whose integer mode gives the same bits in every variant (their SIMD kernels compute the
-# generic C's exact int32 sums and fp32 steps in its order)
+# Formats that give the same bits in every variant, in both modes (their SIMD kernels compute the
+# generic C's exact int32 sums, or its decoded values and 16 lanes, and its fp32 steps in its order)
 SAME_BITS_IN_EVERY_VARIANT = ["q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "iq3_s", "iq3_xxs", "iq2_xxs"]
 SAME_BITS_IN_EVERY_VARIANT += ["iq2_xs", "iq2_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0"]
 
 
 @pytest.mark.parametrize("fmt_name", SAME_BITS_IN_EVERY_VARIANT)
 @pytest.mark.parametrize("T", [1, 3, 16])
-def test_integer_mode_gives_the_same_bits_in_every_variant(fmt_name, T):
+@pytest.mark.parametrize("integer", [False, True])
+def test_the_same_bits_in_every_variant(fmt_name, T, integer):
     n = 224 if get_format(fmt_name).block_size == 32 else IN  # 224: 7 blocks, a group of 4 and 3 left
     w, x = make_weight(fmt_name, n=n), make_x(T, n)
-    generic = cpu.matmul(fmt_name, w, x, integer=True, variant="generic")
+    generic = cpu.matmul(fmt_name, w, x, integer, variant="generic")
     for variant in VARIANTS:
-        y = cpu.matmul(fmt_name, w, x, integer=True, variant=variant)
+        y = cpu.matmul(fmt_name, w, x, integer, variant=variant)
         assert torch.equal(y.view(torch.int32), generic.view(torch.int32)), variant
 
 

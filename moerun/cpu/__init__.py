@@ -24,14 +24,14 @@ fp32 steps, so prefill equals decode (T = 1) bit for bit. The MoE step takes it 
 experts with that many tokens.
 
 The formats added second (q4_1, q5_0, q5_1, iq4_nl, iq4_xs, the grid i-quants, tq1_0, tq2_0) give the
-same bits in integer mode on every variant: their SIMD kernels (avx2_iq4.c, avx512_iq4.c, avx2_iq.c,
-avx512_iq.c) compute generic.c's exact int32 sums and its fp32 steps in its order.
+same bits on every variant: their SIMD kernels (avx2_iq4.c, avx512_iq4.c, avx2_iq.c, avx512_iq.c)
+compute generic.c's exact int32 sums (integer mode) or decoded values in its 16 lanes (exact mode)
+and its fp32 steps in its order.
 
 Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
-exact mode for q2_k/q3_k/q5_k and the formats added second on every variant and for every block
-format on avx2; integer mode for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k,
-for the formats added second, or on avx2: there, large T is tiled (weights stay in L2) through the
-row kernels.
+exact mode for q2_k/q3_k/q5_k on every variant and for every block format on avx2; integer mode
+for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k, for the formats added second,
+or on avx2: there, large T is tiled (weights stay in L2) through the row kernels.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-/* AVX-512 integer-mode kernels of the grid i-quants, tq1_0 and tq2_0 x q8_K: the same
+/* AVX-512 kernels of the grid i-quants, tq1_0 and tq2_0, exact mode and integer mode (x q8_K): the same
  * bits as generic.c's (and avx2_iq.c's): per super-block the exact int32 S = sum of sc * dot, then
  * acc += (yd * d) * S in fp32. Two runs of 32 elements per zmm: grid entries gathered (vpgatherqq /
  * vpgatherdd), the sign bits as a mask that negates the activations, u8 x s8 pairs (vpmaddubsw) and
@@ -237,10 +237,44 @@ static inline __attribute__((always_inline)) void pairs_body(ROWS_ARGS, int byte
     }
 }
 
+/* Exact mode: each 16 elements' values step * q, step = d * sc, as generic.c's rows_k_exact, then
+ * acc += v * x (a multiply, then an add) in its 16 lanes, chunk after chunk, and its sum16. */
+static inline __attribute__((always_inline)) void pairs_exact_body(ROWS_ARGS, int bytes, pairs_fn decode) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        __m512 acc[MAX_T];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < n / 256; b++) {
+            pairs_t s;
+            decode(row + b * bytes, &s);
+            for (int c = 0; c < 4; c++) {
+                int8_t q[64];
+                int16_t sc[32];
+                _mm512_storeu_si512((void *)q, _mm512_mask_sub_epi8(s.mag[c], s.neg[c], _mm512_setzero_si512(), s.mag[c]));
+                _mm512_storeu_si512((void *)sc, s.sc[c]);
+                for (int g = 0; g < 4; g++) {
+                    const __m512 step = _mm512_set1_ps(s.d * (float)sc[8 * g]);
+                    const __m128i q16 = _mm_loadu_si128((const __m128i *)(q + 16 * g));
+                    const __m512 v = _mm512_mul_ps(step, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)));
+                    for (int t = 0; t < T; t++) {
+                        const float *x = (const float *)xs[t] + 256 * b + 64 * c + 16 * g;
+                        acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(v, _mm512_loadu_ps(x)));
+                    }
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
+    }
+}
+
 #define PAIRS_FORMAT(name, bytes)                                                                      \
     static void name##_int(ROWS_ARGS) {                                                                \
         if (T == 1) pairs_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                       \
         else pairs_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                              \
+    }                                                                                                  \
+    static void name##_exact(ROWS_ARGS) {                                                              \
+        if (T == 1) pairs_exact_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                 \
+        else pairs_exact_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                        \
     }
 PAIRS_FORMAT(iq2_xxs, 66)
 PAIRS_FORMAT(iq2_xs, 74)
@@ -252,16 +286,17 @@ PAIRS_FORMAT(iq1_s, 50)
 PAIRS_FORMAT(iq1_m, 56)
 PAIRS_FORMAT(tq1_0, 54)
 
+#define SET(F, name) (FMT[F].integer = name##_int, FMT[F].exact = name##_exact)
 void init_avx512_iq(void) {
-    FMT[F_IQ2_XXS].integer = iq2_xxs_int;
-    FMT[F_IQ2_XS].integer = iq2_xs_int;
-    FMT[F_IQ2_S].integer = iq2_s_int;
-    FMT[F_IQ3_XXS].integer = iq3_xxs_int;
-    FMT[F_IQ3_S].integer = iq3_s_int;
-    FMT[F_TQ2_0].integer = tq2_0_int;
-    FMT[F_IQ1_S].integer = iq1_s_int;
-    FMT[F_IQ1_M].integer = iq1_m_int;
-    FMT[F_TQ1_0].integer = tq1_0_int;
+    SET(F_IQ2_XXS, iq2_xxs);
+    SET(F_IQ2_XS, iq2_xs);
+    SET(F_IQ2_S, iq2_s);
+    SET(F_IQ3_XXS, iq3_xxs);
+    SET(F_IQ3_S, iq3_s);
+    SET(F_TQ2_0, tq2_0);
+    SET(F_IQ1_S, iq1_s);
+    SET(F_IQ1_M, iq1_m);
+    SET(F_TQ1_0, tq1_0);
 }
 #else
 void init_avx512_iq(void) {}

@@ -1,6 +1,7 @@
-/* AVX-512 integer-mode kernels of q4_1, q5_0, q5_1, iq4_nl (x q8_0) and iq4_xs (x q8_K): the same bits
- * as generic.c's (and avx2_iq4.c's), the exact int32 sums computed 64 bytes at a time, the fp32
- * steps in generic.c's order, one block after another.
+/* AVX-512 kernels of q4_1, q5_0, q5_1, iq4_nl (integer mode: x q8_0) and iq4_xs (x q8_K): the same bits
+ * as generic.c's (and avx2_iq4.c's). Integer mode: the exact int32 sums computed 64 bytes at a time,
+ * the fp32 steps in generic.c's order, one block after another. Exact mode: generic.c's values and
+ * its 16 fp32 lanes (below).
  * 32-element blocks: four blocks per step, their weights as unsigned bytes (IQ4_NL's values + 128),
  * u8 x s8 through vpdpbusd, then an in-register reduction to the four blocks' sums, from which the
  * offset times the activation block's sum comes off (q5_0: 16, iq4_nl: 128). The last n / 32 % 4
@@ -139,6 +140,76 @@ static inline __attribute__((always_inline)) void iq4_xs_body(ROWS_ARGS) {
     }
 }
 
+/* Exact mode, 32-element blocks: d * q (+ m), as generic.c's rows_b_exact, then acc += v * x (a
+ * multiply, then an add) in its 16 lanes, the block's two halves in order, and its sum16. */
+static inline __attribute__((always_inline)) void b32_exact_body(ROWS_ARGS, int kind) {
+    const int bytes = b32_bytes(kind), has_min = kind == F_Q4_1 || kind == F_Q5_1;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        __m512 acc[MAX_T];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < n / 32; b++) {
+            float d, m = 0;
+            __m256i q = b32_codes(row + b * bytes, kind, &d, &m);
+            if (kind == F_Q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+            __m512 v[2];
+            for (int h = 0; h < 2; h++) {
+                const __m128i q16 = h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+                v[h] = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)));
+                if (has_min) v[h] = _mm512_add_ps(v[h], _mm512_set1_ps(m));
+            }
+            for (int t = 0; t < T; t++) {
+                const float *x = (const float *)xs[t] + 32 * b;
+                acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(v[0], _mm512_loadu_ps(x)));
+                acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(v[1], _mm512_loadu_ps(x + 16)));
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
+    }
+}
+
+/* Exact mode, IQ4_XS: (d * sc) * q per 16 elements, as generic.c's rows_k_exact. */
+static inline __attribute__((always_inline)) void iq4_xs_exact_body(ROWS_ARGS) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        __m512 acc[MAX_T];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < n / 256; b++) {
+            const uint8_t *blk = row + b * 136;
+            const float d = f16_at(blk);
+            const uint16_t high = rd16(blk + 2);
+            __m512i pairs[4];
+            for (int h = 0; h < 2; h++) nibbles_x4(blk + 8 + 64 * h, 16, 0, (const uint8_t *)KVALUES_IQ4NL, pairs + 2 * h);
+            int8_t q[256];
+            for (int c = 0; c < 4; c++) _mm512_storeu_si512((void *)(q + 64 * c), pairs[c]);
+            for (int ib = 0; ib < 8; ib++) {
+                const int ls = (((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | ((high >> (2 * ib)) & 3) << 4) - 32;
+                const __m512 step = _mm512_set1_ps(d * (float)ls);
+                for (int h = 0; h < 2; h++) {
+                    const __m128i q16 = _mm_loadu_si128((const __m128i *)(q + 32 * ib + 16 * h));
+                    const __m512 v = _mm512_mul_ps(step, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)));
+                    for (int t = 0; t < T; t++) {
+                        const float *x = (const float *)xs[t] + 256 * b + 32 * ib + 16 * h;
+                        acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(v, _mm512_loadu_ps(x)));
+                    }
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
+    }
+}
+
+#define Q41E_CALL(TT) b32_exact_body(w, rb, r0, r1, n, xs, TT, ys, F_Q4_1)
+#define Q50E_CALL(TT) b32_exact_body(w, rb, r0, r1, n, xs, TT, ys, F_Q5_0)
+#define Q51E_CALL(TT) b32_exact_body(w, rb, r0, r1, n, xs, TT, ys, F_Q5_1)
+#define IQ4NLE_CALL(TT) b32_exact_body(w, rb, r0, r1, n, xs, TT, ys, F_IQ4_NL)
+#define IQ4XSE_CALL(TT) iq4_xs_exact_body(w, rb, r0, r1, n, xs, TT, ys)
+static void q4_1_exact(ROWS_ARGS) { ONE_OR_T(Q41E_CALL); }
+static void q5_0_exact(ROWS_ARGS) { ONE_OR_T(Q50E_CALL); }
+static void q5_1_exact(ROWS_ARGS) { ONE_OR_T(Q51E_CALL); }
+static void iq4_nl_exact(ROWS_ARGS) { ONE_OR_T(IQ4NLE_CALL); }
+static void iq4_xs_exact(ROWS_ARGS) { ONE_OR_T(IQ4XSE_CALL); }
+
 #define Q41_CALL(TT) b32_body(w, rb, r0, r1, n, xs, TT, ys, F_Q4_1)
 #define Q50_CALL(TT) b32_body(w, rb, r0, r1, n, xs, TT, ys, F_Q5_0)
 #define Q51_CALL(TT) b32_body(w, rb, r0, r1, n, xs, TT, ys, F_Q5_1)
@@ -152,11 +223,11 @@ static void iq4_xs_int(ROWS_ARGS) { ONE_OR_T(IQ4XS_CALL); }
 
 void init_avx512_iq4(void) {
     for (int i = 0; i < 16; i++) IQ4NL_UNSIGNED[i] = (uint8_t)(KVALUES_IQ4NL[i] + 128);
-    FMT[F_Q4_1].integer = q4_1_int;
-    FMT[F_Q5_0].integer = q5_0_int;
-    FMT[F_Q5_1].integer = q5_1_int;
-    FMT[F_IQ4_NL].integer = iq4_nl_int;
-    FMT[F_IQ4_XS].integer = iq4_xs_int;
+    FMT[F_Q4_1].integer = q4_1_int, FMT[F_Q4_1].exact = q4_1_exact;
+    FMT[F_Q5_0].integer = q5_0_int, FMT[F_Q5_0].exact = q5_0_exact;
+    FMT[F_Q5_1].integer = q5_1_int, FMT[F_Q5_1].exact = q5_1_exact;
+    FMT[F_IQ4_NL].integer = iq4_nl_int, FMT[F_IQ4_NL].exact = iq4_nl_exact;
+    FMT[F_IQ4_XS].integer = iq4_xs_int, FMT[F_IQ4_XS].exact = iq4_xs_exact;
 }
 #else
 void init_avx512_iq4(void) {}

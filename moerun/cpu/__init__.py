@@ -29,8 +29,8 @@ compute generic.c's exact int32 sums (integer mode) or decoded values in its 16 
 and its fp32 steps in its order.
 
 Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
-exact mode for q2_k/q3_k/q5_k on every variant and for every block format on avx2; integer mode
-for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k, for the formats added second,
+exact mode for q2_k/q3_k/q5_k on every variant and for q8_0, q4_0, mxfp4, q4_k, q6_k on avx2;
+integer mode for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k, for the formats added second,
 or on avx2: there, large T is tiled (weights stay in L2) through the row kernels.
 """
 

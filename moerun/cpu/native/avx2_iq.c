@@ -1,7 +1,7 @@
-/* AVX2 integer-mode kernels of the grid i-quants and the ternary formats x q8_K (iq2_xxs, iq2_xs,
- * iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m, tq1_0, tq2_0), used by the avx2 and avx512 variants. They compute
- * generic.c's integer mode bit for bit: per super-block the exact int32 S = sum over sub-blocks of
- * sc * dot (generic.c's k-quant form, iq_unpack.h's values), then acc += (yd * d) * S in fp32.
+/* AVX2 kernels of the grid i-quants and the ternary formats (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s,
+ * iq1_s, iq1_m, tq1_0, tq2_0), exact mode and integer mode (x q8_K). They compute generic.c's bits:
+ * in integer mode per super-block the exact int32 S = sum over sub-blocks of sc * dot (generic.c's
+ * k-quant form, iq_unpack.h's values), then acc += (yd * d) * S in fp32; exact mode below.
  * As ggml-cpu's AVX2 vec_dot functions: each run of 32 weights is built from its grid entries (one
  * 64-bit load per 8 values, one 32-bit load per 4) as magnitudes, the signs go onto the activations
  * (a byte mask from the sign bits: x ^ m - m), then u8 x s8 pairs (vpmaddubsw) and the scales in
@@ -257,10 +257,53 @@ static inline __attribute__((always_inline)) void runs_body(ROWS_ARGS, int bytes
     }
 }
 
+/* Exact mode: each 16 elements' values step * q, step = d * sc, as generic.c's rows_k_exact, then
+ * acc += v * x (a multiply, then an add) in its 16 lanes (two ymm), chunk after chunk, summed by
+ * sum16_tree. */
+static inline __attribute__((always_inline)) void runs_exact_body(ROWS_ARGS, int bytes, decode_fn decode) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        __m256 lo[MAX_T], hi[MAX_T];
+        for (int t = 0; t < T; t++) lo[t] = hi[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < n / 256; b++) {
+            runs_t s;
+            decode(row + b * bytes, &s);
+            for (int ib = 0; ib < 8; ib++) {
+                int8_t q[32];
+                int16_t sc[16];
+                _mm256_storeu_si256((__m256i *)q, _mm256_sub_epi8(_mm256_xor_si256(s.mag[ib], s.neg[ib]), s.neg[ib]));
+                _mm256_storeu_si256((__m256i *)sc, s.sc[ib]);
+                for (int h = 0; h < 2; h++) {
+                    const __m256 step = _mm256_set1_ps(s.d * (float)sc[8 * h]);
+                    const __m128i q0 = _mm_loadl_epi64((const __m128i *)(q + 16 * h));
+                    const __m128i q1 = _mm_loadl_epi64((const __m128i *)(q + 16 * h + 8));
+                    const __m256 v0 = _mm256_mul_ps(step, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
+                    const __m256 v1 = _mm256_mul_ps(step, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)));
+                    for (int t = 0; t < T; t++) {
+                        const float *x = (const float *)xs[t] + 256 * b + 32 * ib + 16 * h;
+                        lo[t] = _mm256_add_ps(lo[t], _mm256_mul_ps(v0, _mm256_loadu_ps(x)));
+                        hi[t] = _mm256_add_ps(hi[t], _mm256_mul_ps(v1, _mm256_loadu_ps(x + 8)));
+                    }
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            float a[16];
+            _mm256_storeu_ps(a, lo[t]);
+            _mm256_storeu_ps(a + 8, hi[t]);
+            ys[t][r] = sum16_tree(a);
+        }
+    }
+}
+
 #define RUNS_FORMAT(name, bytes)                                                                       \
     static void name##_int(ROWS_ARGS) {                                                                \
         if (T == 1) runs_body(w, rb, r0, r1, n, xs, 1, ys, bytes, decode_##name);                       \
         else runs_body(w, rb, r0, r1, n, xs, T, ys, bytes, decode_##name);                              \
+    }                                                                                                  \
+    static void name##_exact(ROWS_ARGS) {                                                              \
+        if (T == 1) runs_exact_body(w, rb, r0, r1, n, xs, 1, ys, bytes, decode_##name);                 \
+        else runs_exact_body(w, rb, r0, r1, n, xs, T, ys, bytes, decode_##name);                        \
     }
 RUNS_FORMAT(iq2_xxs, 66)
 RUNS_FORMAT(iq2_xs, 74)
@@ -272,16 +315,17 @@ RUNS_FORMAT(iq1_m, 56)
 RUNS_FORMAT(tq2_0, 66)
 RUNS_FORMAT(tq1_0, 54)
 
+#define SET(F, name) (FMT[F].integer = name##_int, FMT[F].exact = name##_exact)
 void init_avx2_iq(void) {
-    FMT[F_IQ2_XXS].integer = iq2_xxs_int;
-    FMT[F_IQ2_XS].integer = iq2_xs_int;
-    FMT[F_IQ2_S].integer = iq2_s_int;
-    FMT[F_IQ3_XXS].integer = iq3_xxs_int;
-    FMT[F_IQ3_S].integer = iq3_s_int;
-    FMT[F_IQ1_S].integer = iq1_s_int;
-    FMT[F_IQ1_M].integer = iq1_m_int;
-    FMT[F_TQ2_0].integer = tq2_0_int;
-    FMT[F_TQ1_0].integer = tq1_0_int;
+    SET(F_IQ2_XXS, iq2_xxs);
+    SET(F_IQ2_XS, iq2_xs);
+    SET(F_IQ2_S, iq2_s);
+    SET(F_IQ3_XXS, iq3_xxs);
+    SET(F_IQ3_S, iq3_s);
+    SET(F_IQ1_S, iq1_s);
+    SET(F_IQ1_M, iq1_m);
+    SET(F_TQ2_0, tq2_0);
+    SET(F_TQ1_0, tq1_0);
 }
 #else
 void init_avx2_iq(void) {}

@@ -78,13 +78,11 @@ static inline void q6k_transpose(const __m512i in[4], __m512i out[4]) {
 
 #include "b32_avx2.h"
 
-/* generic.c's sum16 of 16 fp32 lanes (exact mode's last step), for kernels that keep its bits. */
-static inline float sum16_tree(__m512 acc) {
+/* common.h's sum16_tree of a zmm's lanes, for kernels that keep generic.c's bits. */
+static inline float sum16_zmm(__m512 acc) {
     float a[16];
     _mm512_storeu_ps(a, acc);
-    for (int w = 8; w >= 1; w >>= 1)
-        for (int l = 0; l < w; l++) a[l] += a[l + w];
-    return a[0];
+    return sum16_tree(a);
 }
 
 

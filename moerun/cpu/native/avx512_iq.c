@@ -238,7 +238,7 @@ static inline __attribute__((always_inline)) void pairs_body(ROWS_ARGS, int byte
 }
 
 /* Exact mode: each 16 elements' values step * q, step = d * sc, as generic.c's rows_k_exact, then
- * acc += v * x (a multiply, then an add) in its 16 lanes, chunk after chunk, and its sum16. */
+ * acc += v * x (a multiply, then an add) in its 16 lanes, chunk after chunk, summed by sum16_tree. */
 static inline __attribute__((always_inline)) void pairs_exact_body(ROWS_ARGS, int bytes, pairs_fn decode) {
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * rb;
@@ -263,7 +263,7 @@ static inline __attribute__((always_inline)) void pairs_exact_body(ROWS_ARGS, in
                 }
             }
         }
-        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_zmm(acc[t]);
     }
 }
 

@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void iq4_xs_body(ROWS_ARGS) {
 }
 
 /* Exact mode, 32-element blocks: d * q (+ m), as generic.c's rows_b_exact, then acc += v * x (a
- * multiply, then an add) in its 16 lanes, the block's two halves in order, and its sum16. */
+ * multiply, then an add) in its 16 lanes, the block's two halves in order, summed by sum16_tree. */
 static inline __attribute__((always_inline)) void b32_exact_body(ROWS_ARGS, int kind) {
     const int bytes = b32_bytes(kind), has_min = kind == F_Q4_1 || kind == F_Q5_1;
     for (int64_t r = r0; r < r1; r++) {
@@ -164,7 +164,7 @@ static inline __attribute__((always_inline)) void b32_exact_body(ROWS_ARGS, int 
                 acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(v[1], _mm512_loadu_ps(x + 16)));
             }
         }
-        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_zmm(acc[t]);
     }
 }
 
@@ -195,7 +195,7 @@ static inline __attribute__((always_inline)) void iq4_xs_exact_body(ROWS_ARGS) {
                 }
             }
         }
-        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_zmm(acc[t]);
     }
 }
 

@@ -72,6 +72,14 @@ void init_avx512_iq(void);
  * nested). Returns 0, or -4 out of memory (every part NULL). */
 int moerun_scratch_parts(int n, const size_t *sizes, void **parts);
 
+/* Exact mode's last step: 16 fp32 lanes summed in one fixed tree (SIMD kernels that keep generic.c's
+ * bits store their lanes and call this). */
+static inline float sum16_tree(float a[16]) {
+    for (int w = 8; w >= 1; w >>= 1)
+        for (int l = 0; l < w; l++) a[l] += a[l + w];
+    return a[0];
+}
+
 void quantize_q8k(const float *x, int64_t n, q8k_t *y);
 void quantize_q8a(const float *x, int64_t n, q8a_t *y);
 

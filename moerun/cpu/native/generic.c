@@ -175,12 +175,6 @@ static inline void unpack_iq4_nl(const uint8_t *b, int8_t q[32], float *d, float
 
 /* ------------------------------------------------------------------ shared loops */
 
-static inline float sum16(float a[16]) {
-    for (int w = 8; w >= 1; w >>= 1)
-        for (int l = 0; l < w; l++) a[l] += a[l + w];
-    return a[0];
-}
-
 typedef void (*kunpack_fn)(const uint8_t *, int8_t *, int16_t *, int16_t *, float *, float *);
 typedef void (*bunpack_fn)(const uint8_t *, int8_t *, float *, float *);
 
@@ -211,7 +205,7 @@ static inline __attribute__((always_inline)) void rows_k_exact(const uint8_t *w,
                     for (int l = 0; l < 16; l++) acc[t][l] += v[j + l] * x[j + l];
             }
         }
-        for (int t = 0; t < T; t++) ys[t][r] = sum16(acc[t]);
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
     }
 }
 
@@ -265,7 +259,7 @@ static inline __attribute__((always_inline)) void rows_b_exact(const uint8_t *w,
                     for (int l = 0; l < 16; l++) acc[t][l] += v[j + l] * x[j + l];
             }
         }
-        for (int t = 0; t < T; t++) ys[t][r] = sum16(acc[t]);
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
     }
 }
 
@@ -328,7 +322,7 @@ static inline __attribute__((always_inline)) void rows_float(const uint8_t *w, s
             float v = load_float(row, j + l, kind);
             for (int t = 0; t < T; t++) acc[t][l] += v * ((const float *)xs[t])[j + l];
         }
-        for (int t = 0; t < T; t++) ys[t][r] = sum16(acc[t]);
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
     }
 }
 

@@ -47,12 +47,12 @@ static inline __attribute__((always_inline)) void iq4_xs_body(ROWS_ARGS) {
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 136;
             const float d = f16_at(blk);
-            const uint16_t high = rd16(blk + 2);
+            int32_t ls[8];
+            _mm256_storeu_si256((__m256i *)ls, iq4_xs_scales(blk));
             __m256i q[8], sc[8];
             for (int ib = 0; ib < 8; ib++) {
                 q[ib] = iq4_values(blk + 8 + 16 * ib);
-                const int ls = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | ((high >> (2 * ib)) & 3) << 4;
-                sc[ib] = _mm256_set1_epi16((short)(ls - 32));
+                sc[ib] = _mm256_set1_epi16((short)ls[ib]);
             }
             for (int t = 0; t < T; t++) {
                 const q8k_t *y = (const q8k_t *)xs[t] + b;
@@ -120,10 +120,10 @@ static inline __attribute__((always_inline)) void iq4_xs_exact_body(ROWS_ARGS) {
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 136;
             const float d = f16_at(blk);
-            const uint16_t high = rd16(blk + 2);
+            int32_t ls[8];
+            _mm256_storeu_si256((__m256i *)ls, iq4_xs_scales(blk));
             for (int ib = 0; ib < 8; ib++) {
-                const int ls = (((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | ((high >> (2 * ib)) & 3) << 4) - 32;
-                const float step = d * (float)ls;
+                const float step = d * (float)ls[ib];
                 const __m256i q = iq4_values(blk + 8 + 16 * ib);
                 const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
                 const __m256 v[4] = {values8(q0, step), values8(_mm_srli_si128(q0, 8), step), values8(q1, step),

@@ -111,11 +111,7 @@ static inline __attribute__((always_inline)) void iq4_xs_body(ROWS_ARGS) {
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 136;
             const float d = f16_at(blk);
-            const uint16_t high = rd16(blk + 2);
-            int16_t ls[8];
-            for (int ib = 0; ib < 8; ib++)
-                ls[ib] = (int16_t)((((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | ((high >> (2 * ib)) & 3) << 4) - 32);
-            const __m512i scv = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)ls));
+            const __m512i scv = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(iq4_xs_scales(blk))); /* int16 */
             __m512i q[4], qa[4], sc[4];
             __mmask64 neg[4];
             for (int h = 0; h < 2; h++) /* sub-blocks 4h .. 4h + 3: 16 bytes each, contiguous */
@@ -177,14 +173,14 @@ static inline __attribute__((always_inline)) void iq4_xs_exact_body(ROWS_ARGS) {
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 136;
             const float d = f16_at(blk);
-            const uint16_t high = rd16(blk + 2);
+            int32_t ls[8];
+            _mm256_storeu_si256((__m256i *)ls, iq4_xs_scales(blk));
             __m512i pairs[4];
             for (int h = 0; h < 2; h++) nibbles_x4(blk + 8 + 64 * h, 16, 0, (const uint8_t *)KVALUES_IQ4NL, pairs + 2 * h);
             int8_t q[256];
             for (int c = 0; c < 4; c++) _mm512_storeu_si512((void *)(q + 64 * c), pairs[c]);
             for (int ib = 0; ib < 8; ib++) {
-                const int ls = (((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | ((high >> (2 * ib)) & 3) << 4) - 32;
-                const __m512 step = _mm512_set1_ps(d * (float)ls);
+                const __m512 step = _mm512_set1_ps(d * (float)ls[ib]);
                 for (int h = 0; h < 2; h++) {
                     const __m128i q16 = _mm_loadu_si128((const __m128i *)(q + 32 * ib + 16 * h));
                     const __m512 v = _mm512_mul_ps(step, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)));

@@ -62,6 +62,20 @@ static inline __m256i dot32(__m256i wv, __m256i x, int is_signed) {
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
+/* IQ4_XS's 8 sub-block scales ls - 32 as int32 lanes: ls's low nibble from bytes 4-7 (two a byte,
+ * low first), its top 2 bits from the uint16 at byte 2. */
+static inline __m256i iq4_xs_scales(const uint8_t *blk) {
+    uint32_t low;
+    memcpy(&low, blk + 4, 4);
+    const __m256i lo = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32((int)low), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+        _mm256_set1_epi32(15));
+    const __m256i hi = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(rd16(blk + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+        _mm256_set1_epi32(3));
+    return _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+}
+
 static inline int b32_bytes(int kind) {
     return kind == F_Q4_1 ? 20 : kind == F_Q5_0 ? 22 : kind == F_Q5_1 ? 24 : 18;
 }

@@ -6,9 +6,9 @@ reference quantisers, here in numpy float32), take every integer dot product exa
 per-block scales as the kernels do (each block's fp32 scale product, then float64 sums). The
 256-element formats (k-quants, i-quants, ternary) go through q8_K with a scale per 16 elements
 (moerun.quant.iquants' SuperBlocks for the i-quants), the 32-element ones through q8_0, q4_1's and
-q5_1's min through the sum of each activation block's qs. Besides each
-value, `matmul_terms` returns the sum of the absolute values of every term, which bounds the error
-of a kernel's fp32 arithmetic.
+q5_1's min through the sum of each activation block's qs. Besides each value, `matmul_terms`
+returns the sum of the absolute values of every term, which bounds the error of a kernel's fp32
+arithmetic.
 """
 
 from __future__ import annotations

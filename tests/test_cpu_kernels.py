@@ -185,7 +185,7 @@ def test_bitwise_same_over_threads_and_alignment(variant, fmt_name, integer):
         assert torch.equal(y.view(torch.int32), one.view(torch.int32))
 
 
-@pytest.mark.parametrize("fmt_name", ["bf16", "q4_k", "q8_0"])
+@pytest.mark.parametrize("fmt_name", ["bf16", "q4_k", "q8_0", "q5_1", "iq4_xs", "iq2_xxs"])
 @pytest.mark.parametrize("integer", [False, True])
 def test_prefill_sized_batches_tile_correctly(fmt_name, integer):
     w, x = make_weight(fmt_name, out=300, n=256), make_x(41, 256)  # 41 tokens: 16 + 16 + 9

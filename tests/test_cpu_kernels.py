@@ -16,7 +16,7 @@ from moerun.cpu import reference as ref
 from moerun.quant import dequant
 from moerun.quant.formats import FLOAT_DTYPES, get_format
 from moerun.quant.formats import FORMATS as QUANT_FORMATS
-from moerun.quant.quantize import quantize_rows
+from moerun.quant.quantize import BLOCK_QUANTIZERS, quantize_rows
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"native CPU kernels: {cpu.unavailable_reason()}")
 
@@ -28,14 +28,54 @@ OUT, IN = 37, 512  # 37 rows: not a multiple of any thread split; 512: 2 super-b
 REL_BOUND = 1e-5
 
 
+# Byte offsets of the fp16 scale fields (d, and q4_1's and q5_1's m) of the formats moerun does not
+# quantise yet (ggml-common.h); iq1_m's d lies in the top nibbles of its last four uint16.
+SCALE_FIELDS = {
+    "q4_1": (0, 2),
+    "q5_0": (0,),
+    "q5_1": (0, 2),
+    "iq4_nl": (0,),
+    "iq2_xxs": (0,),
+    "iq2_xs": (0,),
+    "iq2_s": (0,),
+    "iq3_xxs": (0,),
+    "iq3_s": (0,),
+    "iq1_s": (0,),
+    "iq4_xs": (0,),
+    "tq1_0": (52,),
+    "tq2_0": (64,),
+}
+
+
+def random_blocks(fmt_name: str, out: int, n: int, seed: int) -> torch.Tensor:
+    """uint8 [out, row_bytes] of random blocks: every byte random (any bytes are valid codes, grid
+    indices, signs and scales), the fp16 scales random with magnitudes in [2^-10, 2^-9]."""
+    fmt = get_format(fmt_name)
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(out * n // fmt.block_size, fmt.block_bytes), dtype=np.uint8)
+    scales = rng.uniform(1, 2, size=(blocks.shape[0], 2)) * rng.choice([-1, 1], size=(blocks.shape[0], 2))
+    bits = (scales * 2.0**-10).astype(np.float16).view(np.uint16)
+    if fmt_name == "iq1_m":
+        words = blocks[:, 48:56].copy().view("<u2")  # [nb, 4]
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | ((bits[:, 0] >> (4 * k)) & 0xF) << 12
+        blocks[:, 48:56] = words.view(np.uint8)
+    for i, at in enumerate(SCALE_FIELDS.get(fmt_name, ())):
+        blocks[:, at : at + 2] = bits[:, i : i + 1].astype("<u2").view(np.uint8)
+    return torch.from_numpy(blocks.reshape(out, -1))
+
+
 @functools.cache
 def make_weight(fmt_name: str, out: int = OUT, n: int = IN, seed: int = 0) -> torch.Tensor:
-    """Weights as a quantiser writes them: uint8 [out, row_bytes] (float formats: their dtype).
-    Cached: callers must not write to them."""
+    """Weights as a quantiser writes them: uint8 [out, row_bytes] (float formats: their dtype), or
+    random valid blocks for the formats moerun cannot quantise yet. Cached: callers must not write
+    to them."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out, n, generator=g) * 0.05
     if fmt_name in FLOAT_DTYPES:
         return w.to(FLOAT_DTYPES[fmt_name])
+    if fmt_name not in BLOCK_QUANTIZERS:
+        return random_blocks(fmt_name, out, n, seed)
     # mxfp4_gpt_oss holds the same 17-byte blocks with another nibble order: any bytes are valid
     return quantize_rows(get_format("mxfp4" if fmt_name == "mxfp4_gpt_oss" else fmt_name), w)
 
@@ -145,7 +185,7 @@ def test_bitwise_same_over_threads_and_alignment(variant, fmt_name, integer):
         assert torch.equal(y.view(torch.int32), one.view(torch.int32))
 
 
-@pytest.mark.parametrize("fmt_name", ["bf16", "q4_k", "q8_0"])
+@pytest.mark.parametrize("fmt_name", ["bf16", "q4_k", "q8_0", "q5_1", "iq4_xs", "iq2_xxs"])
 @pytest.mark.parametrize("integer", [False, True])
 def test_prefill_sized_batches_tile_correctly(fmt_name, integer):
     w, x = make_weight(fmt_name, out=300, n=256), make_x(41, 256)  # 41 tokens: 16 + 16 + 9
@@ -165,10 +205,20 @@ def test_one_dimensional_x_and_bad_input():
         cpu.matmul("q4_k", w, x.double())
 
 
+@pytest.mark.parametrize("fmt_name", [f for f in FORMATS if get_format(f).block_size > 1])
+def test_rows_of_partial_blocks_are_refused(fmt_name):
+    block = get_format(fmt_name).block_size
+    w = make_weight(fmt_name)
+    with pytest.raises(ValueError, match=f"multiple of {block}"):
+        cpu.matmul(fmt_name, w, make_x(1, block + 16))
+    with pytest.raises(ValueError, match=f"multiple of {block}"):
+        cpu.dequantize_rows(fmt_name, w, block + 16, torch.tensor([0]))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     ("fmt_name", "n"),
-    [(f, 224) for f in ("q8_0", "q4_0", "mxfp4", "mxfp4_gpt_oss")]
+    [(f, 224) for f in ("q8_0", "q4_0", "mxfp4", "mxfp4_gpt_oss", "q4_1", "q5_0", "q5_1", "iq4_nl")]
     + [(f, 200) for f in ("f32", "f16", "bf16")],
 )
 @pytest.mark.parametrize("integer", [False, True])
@@ -192,6 +242,24 @@ def test_exact_mode_decodes_weights_bit_exactly(variant, fmt_name):
     y = cpu.matmul(fmt_name, w, x, integer=False, variant=variant)
     expected = dequant.dequantize_bytes(get_format(fmt_name), as_bytes(w))[:, cols].T
     assert torch.equal(y, expected)  # == treats -0 and +0 alike; everything else bit for bit
+
+
+# Formats that give the same bits in every variant, in both modes (their SIMD kernels compute the
+# generic C's exact int32 sums, or its decoded values and 16 lanes, and its fp32 steps in its order)
+SAME_BITS_IN_EVERY_VARIANT = ["q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "iq3_s", "iq3_xxs", "iq2_xxs"]
+SAME_BITS_IN_EVERY_VARIANT += ["iq2_xs", "iq2_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0"]
+
+
+@pytest.mark.parametrize("fmt_name", SAME_BITS_IN_EVERY_VARIANT)
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("integer", [False, True])
+def test_the_same_bits_in_every_variant(fmt_name, T, integer):
+    n = 224 if get_format(fmt_name).block_size == 32 else IN  # 224: 7 blocks, a group of 4 and 3 left
+    w, x = make_weight(fmt_name, n=n), make_x(T, n)
+    generic = cpu.matmul(fmt_name, w, x, integer, variant="generic")
+    for variant in VARIANTS:
+        y = cpu.matmul(fmt_name, w, x, integer, variant=variant)
+        assert torch.equal(y.view(torch.int32), generic.view(torch.int32)), variant
 
 
 def test_dispatch_picks_the_best_variant_this_cpu_runs():

@@ -41,6 +41,9 @@ CASES = [
     ("mxfp4_gpt_oss", "mxfp4_gpt_oss", GptOssSwiGLU(), True),
     ("mxfp4", "q2_k", GptOssSwiGLU(alpha=1.5, limit=0.5), True),
     ("bf16", "q3_k", GLU("silu"), True),
+    ("iq4_xs", "q5_0", GLU("silu"), False),
+    ("q4_1", "iq2_xxs", GLU("gelu"), True),
+    ("iq3_s", "tq2_0", GLU("silu"), False),
 ]
 
 

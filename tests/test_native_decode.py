@@ -8,6 +8,7 @@ import torch
 from conftest import rel_err
 from gguf_from_hf import GGUF_OVERRIDES, QUANT_SIZES, write_gguf
 from hf_models import FAMILIES, VOCAB, hf_logits, make_model, save_model
+from test_cpu_kernels import random_blocks
 
 import moerun
 from moerun import cpu
@@ -16,7 +17,8 @@ from moerun.decoder.config import AttentionSpec, RopeSpec
 from moerun.decoder.norm import rms_norm
 from moerun.decoder.rope import Rotary
 from moerun.moe.routing import RouterError, SoftmaxTopK, TopKSoftmax, route, router_logits
-from moerun.quant.formats import QTensor
+from moerun.quant.dequant import dequantize_bytes
+from moerun.quant.formats import QTensor, get_format
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"native CPU kernels: {cpu.unavailable_reason()}")
 
@@ -105,6 +107,36 @@ def test_a_half_precision_cache_holds_the_rounded_keys_and_values(dtype):
         assert torch.equal(v16[:, :, pos], v32[:, :, pos].to(dtype))
         # the one difference left: the new key and value read back rounded (relative 2^-8 or 2^-11)
         assert rel_err(a, b) <= 2e-2
+
+
+NEWER_FORMATS = ["q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "iq3_s", "iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s"]
+NEWER_FORMATS += ["iq1_s", "iq1_m", "tq1_0", "tq2_0"]
+
+
+@pytest.mark.parametrize("fmt_name", NEWER_FORMATS)
+def test_attention_step_reads_the_newer_block_formats(fmt_name):
+    """q, k, v, o in a block format against the same weights dequantised to f32: exact mode takes the
+    same values times the same activations, so the blocks change only the order of fp32 sums."""
+    hidden, heads, kv, D = 256, 4, 2, 64
+    shape = cpu.AttentionShape(hidden, heads, kv, D, eps=1e-6)
+    sizes = {"q": (heads * D, hidden), "k": (kv * D, hidden), "v": (kv * D, hidden), "o": (hidden, heads * D)}
+    blocks = {name: random_blocks(fmt_name, *size, seed) for seed, (name, size) in enumerate(sizes.items())}
+    quantised = {name: (fmt_name, data, None) for name, data in blocks.items()}
+    fmt = get_format(fmt_name)
+    dense = {name: ("f32", dequantize_bytes(fmt, data), None) for name, data in blocks.items()}
+    norm = {"norm": torch.ones(hidden)}
+    steps = [cpu.AttentionDecode(shape, lin, norm, torch.float32) for lin in (quantised, dense)]
+    caches = [(torch.zeros(1, kv, 4, D), torch.zeros(1, kv, 4, D)) for _ in steps]
+    cos, sin = torch.ones(D // 2), torch.zeros(D // 2)  # position 0's rotation, at every position
+    for pos in range(4):
+        # a small x (the norm scales it up): x + out rounds off little of the small out
+        x = torch.randn(hidden, generator=torch.Generator().manual_seed(pos)) * 1e-3
+        added = []
+        for step, (cache_k, cache_v) in zip(steps, caches, strict=True):
+            y = x.clone()
+            step(y, cache_k, cache_v, pos, cos, sin)
+            added.append(y - x)
+        assert added[1].abs().max() > 0 and rel_err(added[0], added[1]) <= 1e-5, pos
 
 
 def test_attention_step_refuses_a_cache_of_the_wrong_shape():

@@ -5,7 +5,8 @@ as single calls.
 Weights stay in their file format (`moerun.quant.formats`): rows of raw bytes uint8 [out, row_bytes]
 (ggml's block layouts), or dense f32/f16/bf16 [out, in]. Two modes:
   exact    fp32 activations; weights decoded with dequant.py's float operations; fp32 multiply-adds.
-  integer  activations quantised per block (q8_K for the k-quants, q8_0 for q8_0/q4_0/mxfp4; float
+  integer  activations quantised per block (q8_K for the 256-element formats: k-quants, i-quants,
+           tq1_0/tq2_0; q8_0 for the 32-element ones, with its sum for q4_1's and q5_1's min; float
            weights keep fp32), integer dot products, scales applied per block in fp32, as llama.cpp.
 Results are bitwise reproducible: each output element is computed by one thread in an order that
 depends on neither the thread count nor buffer addresses. The layer builds itself on first use
@@ -22,10 +23,15 @@ per 4 rows and token chunk; it computes every output with the row kernels' own i
 fp32 steps, so prefill equals decode (T = 1) bit for bit. The MoE step takes it per expert, for the
 experts with that many tokens.
 
+The formats added second (q4_1, q5_0, q5_1, iq4_nl, iq4_xs, the grid i-quants, tq1_0, tq2_0) give the
+same bits on every variant: their SIMD kernels (avx2_iq4.c, avx512_iq4.c, avx2_iq.c, avx512_iq.c)
+compute generic.c's exact int32 sums (integer mode) or decoded values in its 16 lanes (exact mode)
+and its fp32 steps in its order.
+
 Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
-exact mode for q2_k/q3_k/q5_k on every variant and for every block format on avx2; integer mode
-for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k, or on avx2: there, large T is
-tiled (weights stay in L2) through the row kernels.
+exact mode for q2_k/q3_k/q5_k on every variant and for q8_0, q4_0, mxfp4, q4_k, q6_k on avx2;
+integer mode for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k, for the formats added second,
+or on avx2: there, large T is tiled (weights stay in L2) through the row kernels.
 """
 
 from __future__ import annotations

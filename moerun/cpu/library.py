@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch  # noqa: F401  (loaded first: the kernels then share its libgomp)
 
 from moerun.cpu import allocator
+from moerun.quant.formats import FORMATS
 from moerun.settings import settings
 
 FORMAT_IDS = {
@@ -35,15 +36,29 @@ FORMAT_IDS = {
             "q6_k",
             "mxfp4",
             "mxfp4_gpt_oss",
+            "q4_1",
+            "q5_0",
+            "q5_1",
+            "iq4_nl",
+            "iq2_xxs",
+            "iq2_xs",
+            "iq2_s",
+            "iq3_xxs",
+            "iq3_s",
+            "iq1_s",
+            "iq1_m",
+            "iq4_xs",
+            "tq1_0",
+            "tq2_0",
         ]
     )
 }
 ACT_F32, ACT_Q8_0, ACT_Q8_K = 0, 1, 2
-# What integer mode quantises activations to, per weight format (float weights keep fp32).
-INTEGER_ACT = {name: ACT_Q8_K if name.endswith("_k") else ACT_Q8_0 for name in FORMAT_IDS} | {
-    "f32": ACT_F32,
-    "f16": ACT_F32,
-    "bf16": ACT_F32,
+# What integer mode quantises activations to, per weight format: q8_K for the 256-element blocks,
+# q8_0 (with its sum, for q4_1's and q5_1's min) for the 32-element ones; float weights keep fp32.
+INTEGER_ACT = {
+    name: ACT_F32 if fmt.is_float else ACT_Q8_K if fmt.block_size == 256 else ACT_Q8_0
+    for name, fmt in ((name, FORMATS[name]) for name in FORMAT_IDS)
 }
 Q8K_BYTES, Q8_0_BYTES = 292, 40  # bytes of the native q8_K block (256 values) and q8_0 block (32)
 ACTIVATION_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gpt_oss": 3}

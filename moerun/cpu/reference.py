@@ -3,9 +3,12 @@
 Exact mode: dequantise (moerun.quant.dequant, bit-exact against the gguf package) and multiply in
 float64. Integer mode: quantise the activations with the kernels' algorithm (ggml's q8_K and q8_0
 reference quantisers, here in numpy float32), take every integer dot product exactly, and apply the
-per-block scales as the kernels do (each block's fp32 scale product, then float64 sums). Besides each
-value, `matmul_terms` returns the sum of the absolute values of every term, which bounds the error
-of a kernel's fp32 arithmetic.
+per-block scales as the kernels do (each block's fp32 scale product, then float64 sums). The
+256-element formats (k-quants, i-quants, ternary) go through q8_K with a scale per 16 elements
+(moerun.quant.iquants' SuperBlocks for the i-quants), the 32-element ones through q8_0, q4_1's and
+q5_1's min through the sum of each activation block's qs. Besides each value, `matmul_terms`
+returns the sum of the absolute values of every term, which bounds the error of a kernel's fp32
+arithmetic.
 """
 
 from __future__ import annotations
@@ -14,11 +17,10 @@ import numpy as np
 import torch
 
 from moerun.activations import Activation
-from moerun.quant import dequant
+from moerun.quant import dequant, iquants
 from moerun.quant.formats import get_format
 
 F64 = torch.float64
-K_QUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
 def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,8 +60,9 @@ def _blocks(fmt_name: str, data: torch.Tensor) -> torch.Tensor:
 
 def _k_parts(fmt_name: str, blocks: torch.Tensor):
     """-> (d, dmin, sc, mn, q): d, dmin float32 [out, nb]; sc, mn int64 [out, nb, 16] (one per 16
-    elements); q int64 [out, nb, 256]."""
-    parts = getattr(dequant, f"unpack_{fmt_name}")(blocks)
+    elements); q int64 [out, nb, 256]. The i-quants and ternary formats: iquants' SuperBlocks, no min."""
+    unpack = iquants.UNPACKERS.get(fmt_name) or getattr(dequant, f"unpack_{fmt_name}")
+    parts = unpack(blocks)
     if len(parts) == 3:
         d, sc, q = parts
         dmin, mn = torch.zeros_like(d), torch.zeros_like(sc)
@@ -70,12 +73,17 @@ def _k_parts(fmt_name: str, blocks: torch.Tensor):
 
 
 def _b32_parts(fmt_name: str, blocks: torch.Tensor):
-    """-> (d float32 [out, nb], q int64 [out, nb, 32])."""
+    """-> (d float32 [out, nb], q int64 [out, nb, 32], m float32 [out, nb]: the min, zero without)."""
     if fmt_name.startswith("mxfp4"):
         e, codes = getattr(dequant, f"unpack_{fmt_name}")(blocks)
-        return dequant.e8m0_half_scale(e), torch.tensor(dequant.MXFP4_VALUES)[codes.long()]
-    d, q = getattr(dequant, f"unpack_{fmt_name}")(blocks)
-    return d, q.long()
+        d = dequant.e8m0_half_scale(e)
+        return d, torch.tensor(dequant.MXFP4_VALUES)[codes.long()], torch.zeros_like(d)
+    parts = getattr(dequant, f"unpack_{fmt_name}")(blocks)
+    if len(parts) == 3:  # q4_1, q5_1: value d * q + m
+        d, m, q = parts
+        return d, q.long(), m
+    d, q = parts
+    return d, q.long(), torch.zeros_like(d)
 
 
 def matmul_terms(
@@ -90,7 +98,7 @@ def matmul_terms(
         )
         return x.to(F64) @ w.T, x.to(F64).abs() @ w.abs().T
     blocks = _blocks(fmt_name, data)
-    if fmt_name in K_QUANTS:
+    if fmt.block_size == 256:
         d, dmin, sc, mn, q = _k_parts(fmt_name, blocks)
         xd, qs, bsums = quantize_q8_k(x)
         qs = qs.to(F64).unflatten(-1, (-1, 16, 16))  # [T, nb, 16, 16]
@@ -104,13 +112,15 @@ def matmul_terms(
         value = (scale * s1 - scale_min * s2).sum(-1)
         mag = (scale.abs() * (absdots * sc.abs().to(F64)).sum(-1) + (scale_min * s2).abs()).sum(-1)
         return value, mag
-    d, q = _b32_parts(fmt_name, blocks)
+    d, q, m = _b32_parts(fmt_name, blocks)
     xd, qs = quantize_q8_0(x)
     qs = qs.to(F64).unflatten(-1, (-1, 32))
     dots = torch.einsum("obl,tbl->tob", q.to(F64), qs)
     absdots = torch.einsum("obl,tbl->tob", q.to(F64).abs(), qs.abs())
     scale = (d[None] * xd[:, None]).to(F64)
-    return (scale * dots).sum(-1), (scale.abs() * absdots).sum(-1)
+    # the min's term, (m * yd) * (sum of the block's qs), as ggml's q8_1 pairing
+    min_terms = (m[None] * xd[:, None]).to(F64) * qs.sum(-1)[:, None]  # [T, out, nb]
+    return (scale * dots + min_terms).sum(-1), (scale.abs() * absdots + min_terms.abs()).sum(-1)
 
 
 def matmul(fmt_name: str, data: torch.Tensor, x: torch.Tensor, integer: bool = False) -> torch.Tensor:

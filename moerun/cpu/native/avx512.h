@@ -78,6 +78,13 @@ static inline void q6k_transpose(const __m512i in[4], __m512i out[4]) {
 
 #include "b32_avx2.h"
 
+/* common.h's sum16_tree of a zmm's lanes, for kernels that keep generic.c's bits. */
+static inline float sum16_zmm(__m512 acc) {
+    float a[16];
+    _mm512_storeu_ps(a, acc);
+    return sum16_tree(a);
+}
+
 
 void init_avx512_exact(void);
 #endif

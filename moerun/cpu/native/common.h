@@ -14,6 +14,8 @@
 /* Format ids: the order of moerun.cpu.library.FORMAT_IDS. */
 enum {
     F_F32, F_F16, F_BF16, F_Q8_0, F_Q4_0, F_Q2_K, F_Q3_K, F_Q4_K, F_Q5_K, F_Q6_K, F_MXFP4, F_MXFP4_OSS,
+    F_Q4_1, F_Q5_0, F_Q5_1, F_IQ4_NL, F_IQ2_XXS, F_IQ2_XS, F_IQ2_S, F_IQ3_XXS, F_IQ3_S, F_IQ1_S, F_IQ1_M,
+    F_IQ4_XS, F_TQ1_0, F_TQ2_0,
     F_COUNT
 };
 
@@ -28,7 +30,8 @@ typedef struct {
 } q8k_t;
 
 /* q8_0 activations: value i = d * qs[i], d an fp16 value held as float (ggml stores it as fp16);
- * sum = sum of qs (for q4_0's offset of 8). */
+ * sum = sum of qs (for q4_0's offset of 8, and q4_1's and q5_1's min, where ggml pairs them with
+ * q8_1, whose s is d * sum). */
 typedef struct {
     float d;
     int32_t sum;
@@ -54,6 +57,12 @@ extern fmt_info FMT[F_COUNT];
 void init_generic(void);
 void init_avx512(void); /* overrides entries of FMT where the variant has faster code */
 void init_avx2(void);
+/* The formats added second, in the same bits as generic.c's: q4_1, q5_0, q5_1, iq4_nl, iq4_xs (_iq4);
+ * the grid i-quants, tq1_0 and tq2_0 (_iq). */
+void init_avx2_iq4(void);
+void init_avx512_iq4(void);
+void init_avx2_iq(void);
+void init_avx512_iq(void);
 
 /* A call's large buffers (the MoE step's hidden rows, a prompt's quantised activations), carved
  * from the calling thread's scratch region, which is kept from call to call: fresh allocations
@@ -62,6 +71,14 @@ void init_avx2(void);
  * it). Contents undefined; valid until the thread's next request (one per entry point call, not
  * nested). Returns 0, or -4 out of memory (every part NULL). */
 int moerun_scratch_parts(int n, const size_t *sizes, void **parts);
+
+/* Exact mode's last step: 16 fp32 lanes summed in one fixed tree (SIMD kernels that keep generic.c's
+ * bits store their lanes and call this). */
+static inline float sum16_tree(float a[16]) {
+    for (int w = 8; w >= 1; w >>= 1)
+        for (int l = 0; l < w; l++) a[l] += a[l + w];
+    return a[0];
+}
 
 void quantize_q8k(const float *x, int64_t n, q8k_t *y);
 void quantize_q8a(const float *x, int64_t n, q8a_t *y);

@@ -3,146 +3,14 @@
  * vectorise them without reordering any sum (no -ffast-math): each lane sums a fixed subset of
  * elements in a fixed order, and the lanes are added in one fixed tree. */
 #include "common.h"
+#include "unpack.h"
 
 fmt_info FMT[F_COUNT];
 
-/* ------------------------------------------------------------------ unpacking one block
- * Integer parts of a block: value i = d * sc[i / G] * q[i] - dmin * mn[i / G], with G = 16 for the
- * k-quants (Q4_K/Q5_K's 8 scales of 32 elements are repeated per 16) and one scale for 32-blocks. */
-
-static inline void k4_scales(const uint8_t *p, int16_t sc[16], int16_t mn[16]) {
-    for (int s = 0; s < 8; s++) {
-        int a, m;
-        if (s < 4) {
-            a = p[s] & 63;
-            m = p[s + 4] & 63;
-        } else {
-            a = (p[s + 4] & 0xF) | ((p[s - 4] >> 6) << 4);
-            m = (p[s + 4] >> 4) | ((p[s] >> 6) << 4);
-        }
-        sc[2 * s] = sc[2 * s + 1] = (int16_t)a;
-        mn[2 * s] = mn[2 * s + 1] = (int16_t)m;
-    }
-}
-
-static inline void unpack_q4_k(const uint8_t *b, int8_t q[256], int16_t sc[16], int16_t mn[16],
-                               float *d, float *dmin) {
-    *d = f16_at(b);
-    *dmin = f16_at(b + 2);
-    k4_scales(b + 4, sc, mn);
-    const uint8_t *qs = b + 16;
-    for (int k = 0; k < 4; k++)
-        for (int l = 0; l < 32; l++) {
-            q[64 * k + l] = (int8_t)(qs[32 * k + l] & 0xF);
-            q[64 * k + 32 + l] = (int8_t)(qs[32 * k + l] >> 4);
-        }
-}
-
-static inline void unpack_q5_k(const uint8_t *b, int8_t q[256], int16_t sc[16], int16_t mn[16],
-                               float *d, float *dmin) {
-    *d = f16_at(b);
-    *dmin = f16_at(b + 2);
-    k4_scales(b + 4, sc, mn);
-    const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int k = 0; k < 4; k++)
-        for (int l = 0; l < 32; l++) {
-            int lo = 64 * k + l, hi = lo + 32;
-            q[lo] = (int8_t)((qs[32 * k + l] & 0xF) | (((qh[l] >> (2 * k)) & 1) << 4));
-            q[hi] = (int8_t)((qs[32 * k + l] >> 4) | (((qh[l] >> (2 * k + 1)) & 1) << 4));
-        }
-}
-
-static inline void unpack_q6_k(const uint8_t *b, int8_t q[256], int16_t sc[16], int16_t mn[16],
-                               float *d, float *dmin) {
-    const uint8_t *ql = b, *qh = b + 128;
-    for (int h = 0; h < 2; h++)
-        for (int l = 0; l < 32; l++) {
-            const uint8_t *L = ql + 64 * h, *H = qh + 32 * h;
-            int8_t *o = q + 128 * h;
-            o[l] = (int8_t)(((L[l] & 0xF) | (((H[l] >> 0) & 3) << 4)) - 32);
-            o[l + 32] = (int8_t)(((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4)) - 32);
-            o[l + 64] = (int8_t)(((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32);
-            o[l + 96] = (int8_t)(((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32);
-        }
-    for (int g = 0; g < 16; g++) {
-        sc[g] = (int8_t)b[192 + g];
-        mn[g] = 0;
-    }
-    *d = f16_at(b + 208);
-    *dmin = 0;
-}
-
-static inline void unpack_q2_k(const uint8_t *b, int8_t q[256], int16_t sc[16], int16_t mn[16],
-                               float *d, float *dmin) {
-    for (int g = 0; g < 16; g++) {
-        sc[g] = b[g] & 0xF;
-        mn[g] = b[g] >> 4;
-    }
-    const uint8_t *qs = b + 16;
-    for (int h = 0; h < 2; h++)
-        for (int s = 0; s < 4; s++)
-            for (int l = 0; l < 32; l++) q[128 * h + 32 * s + l] = (int8_t)((qs[32 * h + l] >> (2 * s)) & 3);
-    *d = f16_at(b + 80);
-    *dmin = f16_at(b + 82);
-}
-
-static inline void unpack_q3_k(const uint8_t *b, int8_t q[256], int16_t sc[16], int16_t mn[16],
-                               float *d, float *dmin) {
-    const uint8_t *hm = b, *qs = b + 32, *ps = b + 96;
-    for (int g = 0; g < 16; g++) {
-        int low = g < 8 ? (ps[g] & 0xF) : (ps[g - 8] >> 4);
-        int high = (ps[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
-        sc[g] = (int16_t)((low | (high << 4)) - 32);
-        mn[g] = 0;
-    }
-    for (int h = 0; h < 2; h++)
-        for (int s = 0; s < 4; s++)
-            for (int l = 0; l < 32; l++) {
-                int i = 128 * h + 32 * s + l, run = 4 * h + s;
-                int v = (qs[32 * h + l] >> (2 * s)) & 3;
-                q[i] = (int8_t)(v - (((hm[l] >> run) & 1) ? 0 : 4));
-            }
-    *d = f16_at(b + 108);
-    *dmin = 0;
-}
-
-/* 32-element blocks: value i = d * q[i]. */
-static inline void unpack_q8_0(const uint8_t *b, int8_t q[32], float *d) {
-    *d = f16_at(b);
-    memcpy(q, b + 2, 32);
-}
-static inline void unpack_q4_0(const uint8_t *b, int8_t q[32], float *d) {
-    *d = f16_at(b);
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)((b[2 + j] & 0xF) - 8);
-        q[j + 16] = (int8_t)((b[2 + j] >> 4) - 8);
-    }
-}
-static inline void unpack_mxfp4(const uint8_t *b, int8_t q[32], float *d) {
-    *d = e8m0_half(b[0]);
-    for (int j = 0; j < 16; j++) {
-        q[j] = KVALUES_MXFP4[b[1 + j] & 0xF];
-        q[j + 16] = KVALUES_MXFP4[b[1 + j] >> 4];
-    }
-}
-static inline void unpack_mxfp4_oss(const uint8_t *b, int8_t q[32], float *d) {
-    *d = e8m0_half(b[0]);
-    for (int j = 0; j < 16; j++) {
-        q[2 * j] = KVALUES_MXFP4[b[1 + j] & 0xF];
-        q[2 * j + 1] = KVALUES_MXFP4[b[1 + j] >> 4];
-    }
-}
-
 /* ------------------------------------------------------------------ shared loops */
 
-static inline float sum16(float a[16]) {
-    for (int w = 8; w >= 1; w >>= 1)
-        for (int l = 0; l < w; l++) a[l] += a[l + w];
-    return a[0];
-}
-
 typedef void (*kunpack_fn)(const uint8_t *, int8_t *, int16_t *, int16_t *, float *, float *);
-typedef void (*bunpack_fn)(const uint8_t *, int8_t *, float *);
+typedef void (*bunpack_fn)(const uint8_t *, int8_t *, float *, float *);
 
 /* Exact mode, k-quants: the block's values as dequant.py computes them ((d * sc) * q - dmin * mn),
  * then fp32 multiply-adds into 16 lanes per token. */
@@ -171,7 +39,7 @@ static inline __attribute__((always_inline)) void rows_k_exact(const uint8_t *w,
                     for (int l = 0; l < 16; l++) acc[t][l] += v[j + l] * x[j + l];
             }
         }
-        for (int t = 0; t < T; t++) ys[t][r] = sum16(acc[t]);
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
     }
 }
 
@@ -206,45 +74,48 @@ static inline __attribute__((always_inline)) void rows_k_int(const uint8_t *w, s
     }
 }
 
+/* Exact mode, 32-blocks: the values as dequant.py computes them (d * q, then + m with a min). */
 static inline __attribute__((always_inline)) void rows_b_exact(const uint8_t *w, size_t rb, int64_t r0,
                                                                int64_t r1, int64_t n, const void *const *xs,
                                                                int T, float *const *ys, bunpack_fn un,
-                                                               int bytes) {
+                                                               int bytes, int has_min) {
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * rb;
         float acc[MAX_T][16] = {{0}};
         for (int64_t b = 0; b < n / 32; b++) {
             int8_t q[32];
-            float d, v[32];
-            un(row + b * bytes, q, &d);
-            for (int j = 0; j < 32; j++) v[j] = d * (float)q[j];
+            float d, m = 0, v[32];
+            un(row + b * bytes, q, &d, &m);
+            for (int j = 0; j < 32; j++) v[j] = has_min ? d * (float)q[j] + m : d * (float)q[j];
             for (int t = 0; t < T; t++) {
                 const float *x = (const float *)xs[t] + b * 32;
                 for (int j = 0; j < 32; j += 16)
                     for (int l = 0; l < 16; l++) acc[t][l] += v[j + l] * x[j + l];
             }
         }
-        for (int t = 0; t < T; t++) ys[t][r] = sum16(acc[t]);
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
     }
 }
 
-/* Integer mode, 32-blocks x q8_0: acc += (d * yd) * dot in fp32, dot exact in int32. */
+/* Integer mode, 32-blocks x q8_0: acc += (d * yd) * dot in fp32, dot exact in int32; with a min,
+ * then acc += (m * yd) * sum (ggml's q8_1 term m * s, s = yd * sum, here without s's fp16 rounding). */
 static inline __attribute__((always_inline)) void rows_b_int(const uint8_t *w, size_t rb, int64_t r0,
                                                              int64_t r1, int64_t n, const void *const *xs,
                                                              int T, float *const *ys, bunpack_fn un,
-                                                             int bytes) {
+                                                             int bytes, int has_min) {
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * rb;
         float acc[MAX_T] = {0};
         for (int64_t b = 0; b < n / 32; b++) {
             int8_t q[32];
-            float d;
-            un(row + b * bytes, q, &d);
+            float d, m = 0;
+            un(row + b * bytes, q, &d, &m);
             for (int t = 0; t < T; t++) {
                 const q8a_t *y = (const q8a_t *)xs[t] + b;
                 int32_t dot = 0;
                 for (int j = 0; j < 32; j++) dot += (int32_t)q[j] * y->qs[j];
                 acc[t] += (d * y->d) * (float)dot;
+                if (has_min) acc[t] += (m * y->d) * (float)y->sum;
             }
         }
         for (int t = 0; t < T; t++) ys[t][r] = acc[t];
@@ -285,7 +156,7 @@ static inline __attribute__((always_inline)) void rows_float(const uint8_t *w, s
             float v = load_float(row, j + l, kind);
             for (int t = 0; t < T; t++) acc[t][l] += v * ((const float *)xs[t])[j + l];
         }
-        for (int t = 0; t < T; t++) ys[t][r] = sum16(acc[t]);
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_tree(acc[t]);
     }
 }
 
@@ -302,14 +173,14 @@ static inline __attribute__((always_inline)) void rows_float(const uint8_t *w, s
         if (T == 1) rows_k_int(w, rb, r0, r1, n, xs, 1, ys, unpack_##name, bytes, has_min);             \
         else rows_k_int(w, rb, r0, r1, n, xs, T, ys, unpack_##name, bytes, has_min);                    \
     }
-#define B_FORMAT(name, bytes)                                                                          \
+#define B_FORMAT(name, bytes, has_min)                                                                 \
     static void name##_exact(ROWS_ARGS) {                                                              \
-        if (T == 1) rows_b_exact(w, rb, r0, r1, n, xs, 1, ys, unpack_##name, bytes);                    \
-        else rows_b_exact(w, rb, r0, r1, n, xs, T, ys, unpack_##name, bytes);                           \
+        if (T == 1) rows_b_exact(w, rb, r0, r1, n, xs, 1, ys, unpack_##name, bytes, has_min);           \
+        else rows_b_exact(w, rb, r0, r1, n, xs, T, ys, unpack_##name, bytes, has_min);                  \
     }                                                                                                  \
     static void name##_int(ROWS_ARGS) {                                                                \
-        if (T == 1) rows_b_int(w, rb, r0, r1, n, xs, 1, ys, unpack_##name, bytes);                      \
-        else rows_b_int(w, rb, r0, r1, n, xs, T, ys, unpack_##name, bytes);                             \
+        if (T == 1) rows_b_int(w, rb, r0, r1, n, xs, 1, ys, unpack_##name, bytes, has_min);             \
+        else rows_b_int(w, rb, r0, r1, n, xs, T, ys, unpack_##name, bytes, has_min);                    \
     }
 
 K_FORMAT(q2_k, 84, 1)
@@ -317,10 +188,24 @@ K_FORMAT(q3_k, 110, 0)
 K_FORMAT(q4_k, 144, 1)
 K_FORMAT(q5_k, 176, 1)
 K_FORMAT(q6_k, 210, 0)
-B_FORMAT(q8_0, 34)
-B_FORMAT(q4_0, 18)
-B_FORMAT(mxfp4, 17)
-B_FORMAT(mxfp4_oss, 17)
+K_FORMAT(iq2_xxs, 66, 0)
+K_FORMAT(iq2_xs, 74, 0)
+K_FORMAT(iq2_s, 82, 0)
+K_FORMAT(iq3_xxs, 98, 0)
+K_FORMAT(iq3_s, 110, 0)
+K_FORMAT(iq1_s, 50, 0)
+K_FORMAT(iq1_m, 56, 0)
+K_FORMAT(iq4_xs, 136, 0)
+K_FORMAT(tq1_0, 54, 0)
+K_FORMAT(tq2_0, 66, 0)
+B_FORMAT(q8_0, 34, 0)
+B_FORMAT(q4_0, 18, 0)
+B_FORMAT(mxfp4, 17, 0)
+B_FORMAT(mxfp4_oss, 17, 0)
+B_FORMAT(q4_1, 20, 1)
+B_FORMAT(q5_0, 22, 0)
+B_FORMAT(q5_1, 24, 1)
+B_FORMAT(iq4_nl, 18, 0)
 #define FLOAT_FORMAT(name, kind)                                                                       \
     static void name##_rows(ROWS_ARGS) {                                                               \
         if (T == 1) rows_float(w, rb, r0, r1, n, xs, 1, ys, kind);                                      \
@@ -343,6 +228,20 @@ void init_generic(void) {
     FMT[F_Q6_K] = (fmt_info){256, 210, ACT_Q8_K, q6_k_exact, q6_k_int};
     FMT[F_MXFP4] = (fmt_info){32, 17, ACT_Q8_0, mxfp4_exact, mxfp4_int};
     FMT[F_MXFP4_OSS] = (fmt_info){32, 17, ACT_Q8_0, mxfp4_oss_exact, mxfp4_oss_int};
+    FMT[F_Q4_1] = (fmt_info){32, 20, ACT_Q8_0, q4_1_exact, q4_1_int};
+    FMT[F_Q5_0] = (fmt_info){32, 22, ACT_Q8_0, q5_0_exact, q5_0_int};
+    FMT[F_Q5_1] = (fmt_info){32, 24, ACT_Q8_0, q5_1_exact, q5_1_int};
+    FMT[F_IQ4_NL] = (fmt_info){32, 18, ACT_Q8_0, iq4_nl_exact, iq4_nl_int};
+    FMT[F_IQ2_XXS] = (fmt_info){256, 66, ACT_Q8_K, iq2_xxs_exact, iq2_xxs_int};
+    FMT[F_IQ2_XS] = (fmt_info){256, 74, ACT_Q8_K, iq2_xs_exact, iq2_xs_int};
+    FMT[F_IQ2_S] = (fmt_info){256, 82, ACT_Q8_K, iq2_s_exact, iq2_s_int};
+    FMT[F_IQ3_XXS] = (fmt_info){256, 98, ACT_Q8_K, iq3_xxs_exact, iq3_xxs_int};
+    FMT[F_IQ3_S] = (fmt_info){256, 110, ACT_Q8_K, iq3_s_exact, iq3_s_int};
+    FMT[F_IQ1_S] = (fmt_info){256, 50, ACT_Q8_K, iq1_s_exact, iq1_s_int};
+    FMT[F_IQ1_M] = (fmt_info){256, 56, ACT_Q8_K, iq1_m_exact, iq1_m_int};
+    FMT[F_IQ4_XS] = (fmt_info){256, 136, ACT_Q8_K, iq4_xs_exact, iq4_xs_int};
+    FMT[F_TQ1_0] = (fmt_info){256, 54, ACT_Q8_K, tq1_0_exact, tq1_0_int};
+    FMT[F_TQ2_0] = (fmt_info){256, 66, ACT_Q8_K, tq2_0_exact, tq2_0_int};
 }
 
 /* ------------------------------------------------------------------ activation quantisers */
@@ -417,11 +316,18 @@ int moerun_dequantize_rows(int fmt, const uint8_t *w, int64_t row_bytes, int64_t
     moerun_ensure_init();
     if (fmt < 0 || fmt >= F_COUNT) return -1;
     if (n % FMT[fmt].block) return -2;
-    static const kunpack_fn kun[F_COUNT] = {[F_Q2_K] = unpack_q2_k, [F_Q3_K] = unpack_q3_k, [F_Q4_K] = unpack_q4_k,
-                                            [F_Q5_K] = unpack_q5_k, [F_Q6_K] = unpack_q6_k};
+    static const kunpack_fn kun[F_COUNT] = {
+        [F_Q2_K] = unpack_q2_k,       [F_Q3_K] = unpack_q3_k,       [F_Q4_K] = unpack_q4_k,   [F_Q5_K] = unpack_q5_k,
+        [F_Q6_K] = unpack_q6_k,       [F_IQ2_XXS] = unpack_iq2_xxs, [F_IQ2_XS] = unpack_iq2_xs,
+        [F_IQ2_S] = unpack_iq2_s,     [F_IQ3_XXS] = unpack_iq3_xxs, [F_IQ3_S] = unpack_iq3_s,
+        [F_IQ1_S] = unpack_iq1_s,     [F_IQ1_M] = unpack_iq1_m,     [F_IQ4_XS] = unpack_iq4_xs,
+        [F_TQ1_0] = unpack_tq1_0,     [F_TQ2_0] = unpack_tq2_0};
     static const bunpack_fn bun[F_COUNT] = {[F_Q8_0] = unpack_q8_0, [F_Q4_0] = unpack_q4_0, [F_MXFP4] = unpack_mxfp4,
-                                            [F_MXFP4_OSS] = unpack_mxfp4_oss};
+                                            [F_MXFP4_OSS] = unpack_mxfp4_oss, [F_Q4_1] = unpack_q4_1,
+                                            [F_Q5_0] = unpack_q5_0, [F_Q5_1] = unpack_q5_1,
+                                            [F_IQ4_NL] = unpack_iq4_nl};
     const int bytes = FMT[fmt].bytes, has_min = fmt == F_Q2_K || fmt == F_Q4_K || fmt == F_Q5_K;
+    const int b_min = fmt == F_Q4_1 || fmt == F_Q5_1;
     for (int64_t i = 0; i < count; i++) {
         const uint8_t *row = w + rows[i] * row_bytes;
         float *o = out + i * n;
@@ -444,9 +350,9 @@ int moerun_dequantize_rows(int fmt, const uint8_t *w, int64_t row_bytes, int64_t
         } else {
             for (int64_t b = 0; b < n / 32; b++) {
                 int8_t q[32];
-                float d;
-                bun[fmt](row + b * bytes, q, &d);
-                for (int j = 0; j < 32; j++) o[b * 32 + j] = d * (float)q[j];
+                float d, m = 0;
+                bun[fmt](row + b * bytes, q, &d, &m);
+                for (int j = 0; j < 32; j++) o[b * 32 + j] = b_min ? d * (float)q[j] + m : d * (float)q[j];
             }
         }
     }

@@ -1,0 +1,303 @@
+/* AVX-512 kernels of the grid i-quants, tq1_0 and tq2_0, exact mode and integer mode (x q8_K): the same
+ * bits as generic.c's (and avx2_iq.c's): per super-block the exact int32 S = sum of sc * dot, then
+ * acc += (yd * d) * S in fp32. Two runs of 32 elements per zmm: grid entries gathered (vpgatherqq /
+ * vpgatherdd), the sign bits as a mask that negates the activations, u8 x s8 pairs (vpmaddubsw) and
+ * the scales in int32 (vpdpwssd); IQ1's and TQ1's signed values as magnitudes and a mask. */
+#include "avx512.h"
+
+#ifdef MOERUN_AVX512
+#include "iq_unpack.h"
+
+/* One super-block as 4 pairs of runs: magnitudes, a mask of the negative values, int16 scales
+ * (lanes 8i .. 8i + 7 for the pair's elements 16i .. 16i + 15), and d. */
+typedef struct {
+    __m512i mag[4], sc[4];
+    __mmask64 neg[4];
+    float d;
+} pairs_t;
+
+/* int16 lanes 8i .. 8i + 7 = s[i]: one scale per 16 elements of a pair of runs. */
+static inline __m512i scales4(int s0, int s1, int s2, int s3) {
+    const __m512i which = _mm512_srli_epi16(
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
+                         7, 6, 5, 4, 3, 2, 1, 0),
+        3);
+    return _mm512_permutexvar_epi16(which, _mm512_castsi128_si512(_mm_setr_epi16((short)s0, (short)s1, (short)s2,
+                                                                                 (short)s3, 0, 0, 0, 0)));
+}
+
+/* Eight 7-bit indices into ksigns_iq2xs (four in each of two uint32, at bits 0, 7, 14, 21) -> 64 sign bits. */
+static inline __mmask64 ksigns8(uint32_t a, uint32_t b) {
+    uint64_t bits = 0;
+    for (int l = 0; l < 4; l++) {
+        bits |= (uint64_t)KSIGNS_IQ2XS[(a >> (7 * l)) & 127] << (8 * l);
+        bits |= (uint64_t)KSIGNS_IQ2XS[(b >> (7 * l)) & 127] << (8 * l + 32);
+    }
+    return (__mmask64)bits;
+}
+
+static inline uint64_t rd64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline void pairs_iq2_xxs(const uint8_t *b, pairs_t *s) {
+    for (int c = 0; c < 4; c++) {
+        const uint8_t *p = b + 2 + 16 * c; /* run 2c: 4 index bytes, uint32 aux; then run 2c + 1 */
+        const uint32_t a = rd32(p + 4), bb = rd32(p + 12);
+        const __m512i idx = _mm512_cvtepu8_epi64(_mm_cvtsi64_si128((long long)(rd32(p) | (uint64_t)rd32(p + 8) << 32)));
+        s->mag[c] = _mm512_i64gather_epi64(idx, (const void *)IQ2XXS_GRID, 8);
+        s->neg[c] = ksigns8(a, bb);
+        const int la = 2 * (int)(a >> 28) + 1, lb = 2 * (int)(bb >> 28) + 1;
+        s->sc[c] = scales4(la, la, lb, lb);
+    }
+    s->d = f16_at(b) * 0.125f;
+}
+
+static inline void pairs_iq2_xs(const uint8_t *b, pairs_t *s) {
+    for (int c = 0; c < 4; c++) {
+        const __m128i words = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)); /* 8 uint16 */
+        const __m512i idx = _mm512_cvtepu16_epi64(_mm_and_si128(words, _mm_set1_epi16(511)));
+        s->mag[c] = _mm512_i64gather_epi64(idx, (const void *)IQ2XS_GRID, 8);
+        uint64_t bits = 0;
+        for (int l = 0; l < 8; l++) bits |= (uint64_t)KSIGNS_IQ2XS[rd16(b + 2 + 16 * c + 2 * l) >> 9] << (8 * l);
+        s->neg[c] = (__mmask64)bits;
+        const uint8_t sa = b[66 + 2 * c], sb = b[67 + 2 * c];
+        s->sc[c] = scales4(2 * (sa & 0xF) + 1, 2 * (sa >> 4) + 1, 2 * (sb & 0xF) + 1, 2 * (sb >> 4) + 1);
+    }
+    s->d = f16_at(b) * 0.125f;
+}
+
+static inline void pairs_iq2_s(const uint8_t *b, pairs_t *s) {
+    const __m512i shifts = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+    for (int c = 0; c < 4; c++) {
+        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c)));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(rd16(b + 66 + 2 * c)), shifts),
+                                            _mm512_set1_epi64(3));
+        s->mag[c] = _mm512_i64gather_epi64(_mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)), (const void *)IQ2S_GRID, 8);
+        s->neg[c] = (__mmask64)rd64(b + 34 + 8 * c);
+        const uint8_t sa = b[74 + 2 * c], sb = b[75 + 2 * c];
+        s->sc[c] = scales4(2 * (sa & 0xF) + 1, 2 * (sa >> 4) + 1, 2 * (sb & 0xF) + 1, 2 * (sb >> 4) + 1);
+    }
+    s->d = f16_at(b) * 0.125f;
+}
+
+static inline void pairs_iq3_xxs(const uint8_t *b, pairs_t *s) {
+    for (int c = 0; c < 4; c++) {
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
+        s->mag[c] = _mm512_i32gather_epi32(idx, (const void *)IQ3XXS_GRID, 4);
+        const uint32_t a = rd32(b + 66 + 8 * c), bb = rd32(b + 70 + 8 * c);
+        s->neg[c] = ksigns8(a, bb);
+        const int la = 2 * (int)(a >> 28) + 1, lb = 2 * (int)(bb >> 28) + 1;
+        s->sc[c] = scales4(la, la, lb, lb);
+    }
+    s->d = f16_at(b) * 0.25f;
+}
+
+static inline void pairs_iq3_s(const uint8_t *b, pairs_t *s) {
+    for (int c = 0; c < 4; c++) {
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
+        idx = _mm512_or_si512(idx, _mm512_maskz_set1_epi32((__mmask16)rd16(b + 66 + 2 * c), 256)); /* bit 8 */
+        s->mag[c] = _mm512_i32gather_epi32(idx, (const void *)IQ3S_GRID, 4);
+        s->neg[c] = (__mmask64)rd64(b + 74 + 8 * c);
+        const int la = 2 * (b[106 + c] & 0xF) + 1, lb = 2 * (b[106 + c] >> 4) + 1;
+        s->sc[c] = scales4(la, la, lb, lb);
+    }
+    s->d = f16_at(b);
+}
+
+/* TQ2_0: pair c = runs 2c, 2c + 1 = the fields at shifts 4(c % 2) and 4(c % 2) + 2 of bytes
+ * 32(c / 2) .. + 31; value code - 1 (code 3, which ggml's quantiser never writes, is 2). */
+static inline void pairs_tq2_0(const uint8_t *b, pairs_t *s) {
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); /* 0 | 2 */
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 32 * (c / 2))));
+        const __m512i code = _mm512_and_si512(
+            _mm512_srlv_epi16(v, _mm512_add_epi16(shift, _mm512_set1_epi16((short)(4 * (c % 2))))), _mm512_set1_epi8(3));
+        s->mag[c] = _mm512_abs_epi8(_mm512_sub_epi8(code, _mm512_set1_epi8(1)));
+        s->neg[c] = _mm512_cmpeq_epi8_mask(code, _mm512_setzero_si512());
+        s->sc[c] = _mm512_set1_epi16(1);
+    }
+    s->d = f16_at(b + 64);
+}
+
+/* Signed values (IQ1's, TQ1's): magnitudes and the mask of the negative ones. */
+static inline void pair_from_signed(__m512i q, pairs_t *s, int c) {
+    s->mag[c] = _mm512_abs_epi8(q);
+    s->neg[c] = _mm512_movepi8_mask(q);
+}
+
+/* IQ1: 8 * grid (grid bytes in {-1, 0, 1}, shifted within 16-bit lanes, the bits that cross into
+ * the next byte masked off) plus the deltas. */
+static inline __m512i iq1_values_x8(__m512i grid, __m512i delta) {
+    return _mm512_add_epi8(_mm512_and_si512(_mm512_slli_epi16(grid, 3), _mm512_set1_epi8((char)0xF8)), delta);
+}
+
+static inline void pairs_iq1_s(const uint8_t *b, pairs_t *s) {
+    const __m512i shifts = _mm512_setr_epi64(0, 3, 6, 9, 16, 19, 22, 25);
+    for (int c = 0; c < 4; c++) {
+        const uint16_t qa = rd16(b + 34 + 4 * c), qb = rd16(b + 36 + 4 * c);
+        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c)));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(qa | (uint32_t)qb << 16), shifts),
+                                            _mm512_set1_epi64(7));
+        const __m512i grid =
+            _mm512_i64gather_epi64(_mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)), (const void *)IQ1S_GRID, 8);
+        const __m512i delta = _mm512_inserti64x4(_mm512_set1_epi8((char)(qa >> 15 ? -1 : 1)),
+                                                 _mm256_set1_epi8((char)(qb >> 15 ? -1 : 1)), 1);
+        pair_from_signed(iq1_values_x8(grid, delta), s, c);
+        const int la = 2 * ((qa >> 12) & 7) + 1, lb = 2 * ((qb >> 12) & 7) + 1;
+        s->sc[c] = scales4(la, la, lb, lb);
+    }
+    s->d = f16_at(b) * 0.125f;
+}
+
+static inline void pairs_iq1_m(const uint8_t *b, pairs_t *s) {
+    const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+    uint16_t d_bits = 0;
+    for (int c = 0; c < 4; c++) {
+        const uint16_t word = rd16(b + 48 + 2 * c); /* the pair's 4 scales, one nibble of d */
+        d_bits |= (uint16_t)((word >> 12) << (4 * c));
+        const uint32_t nib = rd32(b + 32 + 4 * c); /* group l: 3 index bits, then the delta's sign */
+        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 8 * c)));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(nib), shifts), _mm512_set1_epi64(7));
+        const __m512i grid =
+            _mm512_i64gather_epi64(_mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)), (const void *)IQ1S_GRID, 8);
+        __mmask8 minus = 0;
+        for (int l = 0; l < 8; l++) minus |= (__mmask8)(((nib >> (4 * l + 3)) & 1) << l);
+        const __m512i delta = _mm512_mask_blend_epi64(minus, _mm512_set1_epi8(1), _mm512_set1_epi8(-1));
+        pair_from_signed(iq1_values_x8(grid, delta), s, c);
+        s->sc[c] = scales4(2 * (word & 7) + 1, 2 * ((word >> 3) & 7) + 1, 2 * ((word >> 6) & 7) + 1,
+                           2 * ((word >> 9) & 7) + 1);
+    }
+    s->d = f16_to_f32(d_bits) * 0.125f;
+}
+
+/* TQ1_0's digit k of each byte v from p = v * 3^k mod 256: ((p * 3) >> 8), per 16-bit lane the low
+ * byte's as mulhi(lo, 768) and the high byte's as mulhi(hi * 256, 3). */
+static inline __m512i tq1_digits_x64(__m512i p) {
+    const __m512i lo = _mm512_mulhi_epu16(_mm512_and_si512(p, _mm512_set1_epi16(0x00FF)), _mm512_set1_epi16(768));
+    const __m512i hi = _mm512_mulhi_epu16(_mm512_and_si512(p, _mm512_set1_epi16((short)0xFF00)), _mm512_set1_epi16(3));
+    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 8));
+}
+
+static inline __m512i times3_x64(__m512i p) { return _mm512_add_epi8(p, _mm512_add_epi8(p, p)); }
+static inline __m256i times3_x32(__m256i p) { return _mm256_add_epi8(p, _mm256_add_epi8(p, p)); }
+static inline __m128i times3_x16(__m128i p) { return _mm_add_epi8(p, _mm_add_epi8(p, p)); }
+
+/* TQ1_0 (iq_unpack.h's layout): pairs (0, 1) and (2, 3) are digits (0, 1), (2, 3) of bytes 0-31;
+ * pair (4, 5) is digit 4 of bytes 0-31, then digits 0, 1 of bytes 32-47; pair (6, 7) digits 2, 3, 4
+ * of bytes 32-47, then digits 0-3 of bytes 48-51. Value digit - 1. */
+static inline void pairs_tq1_0(const uint8_t *b, pairs_t *s) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)b);
+    __m512i p = _mm512_inserti64x4(_mm512_castsi256_si512(v), times3_x32(v), 1);
+    __m512i digits[4];
+    digits[0] = tq1_digits_x64(p);
+    p = times3_x64(times3_x64(p));
+    digits[1] = tq1_digits_x64(p);
+    const __m128i m1 = _mm_loadu_si128((const __m128i *)(b + 32)), m3 = times3_x16(m1), m9 = times3_x16(m3);
+    const __m128i m27 = times3_x16(m9), m81 = times3_x16(m27);
+    uint8_t tail[16]; /* bytes 48-51 times 3^k, k = 0..3 */
+    for (int k = 0, pow = 1; k < 4; k++, pow *= 3)
+        for (int j = 0; j < 4; j++) tail[4 * k + j] = (uint8_t)(b[48 + j] * pow);
+    p = times3_x64(times3_x64(p)); /* low half: bytes 0-31 times 81 */
+    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m1, 2), m3, 3);
+    digits[2] = tq1_digits_x64(p);
+    p = _mm512_inserti32x4(_mm512_castsi128_si512(m9), m27, 1);
+    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m81, 2), _mm_loadu_si128((const __m128i *)tail), 3);
+    digits[3] = tq1_digits_x64(p);
+    for (int c = 0; c < 4; c++) {
+        pair_from_signed(_mm512_sub_epi8(digits[c], _mm512_set1_epi8(1)), s, c);
+        s->sc[c] = _mm512_set1_epi16(1);
+    }
+    s->d = f16_at(b + 52);
+}
+
+typedef void (*pairs_fn)(const uint8_t *, pairs_t *);
+
+static inline __attribute__((always_inline)) void pairs_body(ROWS_ARGS, int bytes, pairs_fn decode) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T] = {0};
+        for (int64_t b = 0; b < n / 256; b++) {
+            pairs_t s;
+            decode(row + b * bytes, &s);
+            for (int t = 0; t < T; t++) {
+                const q8k_t *y = (const q8k_t *)xs[t] + b;
+                __m512i sum = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    __m512i x = _mm512_loadu_si512((const void *)(y->qs + 64 * c));
+                    x = _mm512_mask_sub_epi8(x, s.neg[c], _mm512_setzero_si512(), x);
+                    sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(s.mag[c], x), s.sc[c]);
+                }
+                acc[t] += (y->d * s.d) * (float)_mm512_reduce_add_epi32(sum);
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
+    }
+}
+
+/* Exact mode: each 16 elements' values step * q, step = d * sc, as generic.c's rows_k_exact, then
+ * acc += v * x (a multiply, then an add) in its 16 lanes, chunk after chunk, summed by sum16_tree. */
+static inline __attribute__((always_inline)) void pairs_exact_body(ROWS_ARGS, int bytes, pairs_fn decode) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        __m512 acc[MAX_T];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < n / 256; b++) {
+            pairs_t s;
+            decode(row + b * bytes, &s);
+            for (int c = 0; c < 4; c++) {
+                int8_t q[64];
+                int16_t sc[32];
+                _mm512_storeu_si512((void *)q, _mm512_mask_sub_epi8(s.mag[c], s.neg[c], _mm512_setzero_si512(), s.mag[c]));
+                _mm512_storeu_si512((void *)sc, s.sc[c]);
+                for (int g = 0; g < 4; g++) {
+                    const __m512 step = _mm512_set1_ps(s.d * (float)sc[8 * g]);
+                    const __m128i q16 = _mm_loadu_si128((const __m128i *)(q + 16 * g));
+                    const __m512 v = _mm512_mul_ps(step, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)));
+                    for (int t = 0; t < T; t++) {
+                        const float *x = (const float *)xs[t] + 256 * b + 64 * c + 16 * g;
+                        acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(v, _mm512_loadu_ps(x)));
+                    }
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = sum16_zmm(acc[t]);
+    }
+}
+
+#define PAIRS_FORMAT(name, bytes)                                                                      \
+    static void name##_int(ROWS_ARGS) {                                                                \
+        if (T == 1) pairs_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                       \
+        else pairs_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                              \
+    }                                                                                                  \
+    static void name##_exact(ROWS_ARGS) {                                                              \
+        if (T == 1) pairs_exact_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                 \
+        else pairs_exact_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                        \
+    }
+PAIRS_FORMAT(iq2_xxs, 66)
+PAIRS_FORMAT(iq2_xs, 74)
+PAIRS_FORMAT(iq2_s, 82)
+PAIRS_FORMAT(iq3_xxs, 98)
+PAIRS_FORMAT(iq3_s, 110)
+PAIRS_FORMAT(tq2_0, 66)
+PAIRS_FORMAT(iq1_s, 50)
+PAIRS_FORMAT(iq1_m, 56)
+PAIRS_FORMAT(tq1_0, 54)
+
+#define SET(F, name) (FMT[F].integer = name##_int, FMT[F].exact = name##_exact)
+void init_avx512_iq(void) {
+    SET(F_IQ2_XXS, iq2_xxs);
+    SET(F_IQ2_XS, iq2_xs);
+    SET(F_IQ2_S, iq2_s);
+    SET(F_IQ3_XXS, iq3_xxs);
+    SET(F_IQ3_S, iq3_s);
+    SET(F_TQ2_0, tq2_0);
+    SET(F_IQ1_S, iq1_s);
+    SET(F_IQ1_M, iq1_m);
+    SET(F_TQ1_0, tq1_0);
+}
+#else
+void init_avx512_iq(void) {}
+#endif

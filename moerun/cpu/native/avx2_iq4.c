@@ -1,10 +1,11 @@
 /* AVX2 kernels of q4_1, q5_0, q5_1, iq4_nl (integer mode: x q8_0) and iq4_xs (x q8_K), exact mode and
  * integer mode. Each computes generic.c's bits: in integer mode the same exact int32 sums (however
  * they are added up) and the same fp32 steps in the same order, per block
- * acc += (d * yd) * dot (+ (m * yd) * sum with a min), per IQ4_XS super-block acc += (yd * d) * S,
- * S = sum of sc * dot over its sub-blocks. The products as ggml-cpu's AVX2 vec_dot functions: u8 x s8
- * pairs (vpmaddubsw), unsigned codes where the format has them (the offset of q5_0 through the
- * activation block's sum), IQ4's signed values as |w| times x with w's sign. */
+ * acc += (d * yd) * dot (with a min: + (m * yd) * sum, added to it first), per IQ4_XS super-block
+ * acc += (yd * d) * S, S = sum of sc * dot over its sub-blocks. The products as ggml-cpu's AVX2
+ * vec_dot functions: u8 x s8 pairs (vpmaddubsw), unsigned codes where the format has them (the
+ * offset of q5_0 through the activation block's sum), IQ4's signed values as |w| times x with w's
+ * sign. */
 #include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -31,8 +32,8 @@ static inline __attribute__((always_inline)) void b32_body(ROWS_ARGS, int kind) 
                 const q8a_t *y = (const q8a_t *)xs[t] + b;
                 const __m256i x = _mm256_loadu_si256((const __m256i *)y->qs);
                 const int32_t dot = hsum_i32(dot32(wv, x, is_signed)) - offset * y->sum;
-                acc[t] += (d * y->d) * (float)dot;
-                if (has_min) acc[t] += (m * y->d) * (float)y->sum;
+                if (has_min) acc[t] += (d * y->d) * (float)dot + (m * y->d) * (float)y->sum;
+                else acc[t] += (d * y->d) * (float)dot;
             }
         }
         for (int t = 0; t < T; t++) ys[t][r] = acc[t];

@@ -83,8 +83,9 @@ static inline __attribute__((always_inline)) void b32_body(ROWS_ARGS, int kind) 
                 sums_x4(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], x[0]),
                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[1], x[1]), dot);
                 for (int i = 0; i < 4; i++) {
-                    acc[t] += (d[i] * y[i].d) * (float)(dot[i] - offset * y[i].sum);
-                    if (has_min) acc[t] += (m[i] * y[i].d) * (float)y[i].sum;
+                    const float p = (d[i] * y[i].d) * (float)(dot[i] - offset * y[i].sum);
+                    if (has_min) acc[t] += p + (m[i] * y[i].d) * (float)y[i].sum;
+                    else acc[t] += p;
                 }
             }
         }
@@ -95,8 +96,8 @@ static inline __attribute__((always_inline)) void b32_body(ROWS_ARGS, int kind) 
                 const q8a_t *y = (const q8a_t *)xs[t] + b;
                 const __m256i x = _mm256_loadu_si256((const __m256i *)y->qs);
                 const int32_t dot = hsum_i32(dot32(wv, x, kind == F_IQ4_NL)) - (kind == F_Q5_0 ? 16 : 0) * y->sum;
-                acc[t] += (d * y->d) * (float)dot;
-                if (has_min) acc[t] += (m * y->d) * (float)y->sum;
+                if (has_min) acc[t] += (d * y->d) * (float)dot + (m * y->d) * (float)y->sum;
+                else acc[t] += (d * y->d) * (float)dot;
             }
         }
         for (int t = 0; t < T; t++) ys[t][r] = acc[t];

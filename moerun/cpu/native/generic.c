@@ -98,7 +98,8 @@ static inline __attribute__((always_inline)) void rows_b_exact(const uint8_t *w,
 }
 
 /* Integer mode, 32-blocks x q8_0: acc += (d * yd) * dot in fp32, dot exact in int32; with a min,
- * then acc += (m * yd) * sum (ggml's q8_1 term m * s, s = yd * sum, here without s's fp16 rounding). */
+ * acc += (d * yd) * dot + (m * yd) * sum (ggml's order, its q8_1 term m * s with s = yd * sum, here
+ * without s's fp16 rounding). */
 static inline __attribute__((always_inline)) void rows_b_int(const uint8_t *w, size_t rb, int64_t r0,
                                                              int64_t r1, int64_t n, const void *const *xs,
                                                              int T, float *const *ys, bunpack_fn un,
@@ -114,8 +115,8 @@ static inline __attribute__((always_inline)) void rows_b_int(const uint8_t *w, s
                 const q8a_t *y = (const q8a_t *)xs[t] + b;
                 int32_t dot = 0;
                 for (int j = 0; j < 32; j++) dot += (int32_t)q[j] * y->qs[j];
-                acc[t] += (d * y->d) * (float)dot;
-                if (has_min) acc[t] += (m * y->d) * (float)y->sum;
+                if (has_min) acc[t] += (d * y->d) * (float)dot + (m * y->d) * (float)y->sum;
+                else acc[t] += (d * y->d) * (float)dot;
             }
         }
         for (int t = 0; t < T; t++) ys[t][r] = acc[t];

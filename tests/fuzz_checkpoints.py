@@ -3,8 +3,9 @@
 Small checkpoints of every format are generated here (no download): Hugging Face safetensors
 directories with config.json, tokenizer files and generation_config.json (fused and per-expert
 tensors, GPT-OSS MXFP4 blocks, shards with an index) and GGUF files with a vocabulary (f32, q8_0,
-mxfp4, the old per-expert layout). Each case is one seed mutated once (bytes flipped, the file cut,
-a JSON or header value or a GGUF field set to an awkward value, a GGUF key's type changed, ...),
+mxfp4, the i-quants with a q5_0 and an iq4_nl tensor, the old per-expert layout). Each case is one
+seed mutated once (bytes flipped, the file cut, a JSON or header value or a GGUF field set to an
+awkward value, a GGUF key's type changed, ...),
 chosen by `random.Random(f"{seed}-{index}")`, so a case is rebuilt from its seed and index alone.
 
 Each case runs in a child forked from a worker that has imported and warmed moerun once, with a
@@ -124,6 +125,12 @@ def build_seeds(root: Path) -> dict[str, Path]:
             dict(per_expert=True, extra=vocab("spm", "llama", None, bos_token_id=1, eos_token_id=2)),
         ),
         "gguf-gpt-oss-mxfp4": ("gpt_oss", dict(intermediate_size=32), dict(experts="mxfp4")),
+        # the i-quants (random valid blocks: moerun does not write them) and a 32-element fallback
+        "gguf-qwen3-moe-iquants": (
+            "qwen3_moe",
+            dict(hidden_size=256, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2),
+            dict(experts="iq2_xxs", down="iq3_s", attention="q5_0", per_tensor={"output.weight": "iq4_nl"}),
+        ),
     }
     for name, (model_type, sizes, options) in ggufs.items():
         (root / name).mkdir(exist_ok=True)

@@ -52,7 +52,7 @@ def test_gemm_matches_exact_integer_sums(fmt_name):
     assert ((y.double() - expected).abs() <= REL_BOUND * magnitude).all()
 
 
-@pytest.mark.parametrize("fmt_name", ["q4_k", "q6_k", "q8_0", "mxfp4"])
+@pytest.mark.parametrize("fmt_name", ["q4_k", "q6_k", "q8_0", "mxfp4", "q5_0", "iq4_nl"])
 def test_gemm_bitwise_over_threads_and_alignment(fmt_name):
     if fmt_name not in GEMM_FORMATS:
         pytest.skip(f"no {fmt_name} GEMM in the {cpu.isa()} kernels")
@@ -77,17 +77,19 @@ def test_gemm_bitwise_over_threads_and_alignment(fmt_name):
     ("fmt_name", "T", "n"),
     [("q8_0", T, 224) for T in (64, 65, 66)]
     + [("q6_k", T, 512) for T in (2, 3, 5, 6)]
+    + [("iq4_nl", T, 224) for T in (64, 65, 66)]
     + [
         ("q8_0", 300, 2048),
         ("q4_k", 300, 2048),
         ("q6_k", 300, 2048),
+        ("q5_1", 300, 2048),
     ],
 )
 def test_gemm_every_token_remainder_and_a_long_prompt(fmt_name, T, n):
     # q8_0 takes the GEMM from 4 tokens: 64..67 tokens cover each remainder of the 4-token
     # micro-kernel, as q6_k's 2..6 (its GEMM from 2 tokens); 300 tokens of 2048 inputs pass the
-    # activation chunk (~512 KiB: q8_0 84 tokens, q4_k 224, q6_k 200), after which the rows are
-    # decoded again
+    # activation chunk (~512 KiB: q8_0 84 tokens, q4_k 224, q6_k 200, q5_1 168), after which the
+    # rows are decoded again
     if fmt_name not in GEMM_FORMATS:
         pytest.skip(f"no {fmt_name} GEMM in the {cpu.isa()} kernels")
     w, x = make_weight(fmt_name, out=10, n=n), make_x(T, n)

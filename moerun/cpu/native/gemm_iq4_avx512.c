@@ -1,4 +1,5 @@
-/* AVX-512 prefill GEMM for q4_1, q5_0, q5_1 and iq4_nl (32-element blocks x q8_0 activations).
+/* AVX-512 prefill GEMM for q4_1, q5_0, q5_1 and iq4_nl (32-element blocks x q8_0 activations) and
+ * iq4_xs (x q8_K).
  *
  * Their integer matvec (avx512_iq4.c, as generic.c) applies the scales one block at a time on a
  * scalar fp32 chain per output: acc += (d * yd) * float(dot - offset * ysum) (q5_0: offset 16,
@@ -63,31 +64,37 @@ static void b32s_prep(int fmt, const void *xq, int64_t g, int64_t T, int64_t n, 
     }
 }
 
-/* Block b of 16 rows (rp: each row's bytes) -> D. */
-static inline __attribute__((always_inline)) void decode16(int fmt, const uint8_t *const rp[ROWS], int64_t b,
-                                                           wdec_t *D) {
-    const int64_t at = b * block_bytes(fmt);
-    /* z[a] holds rows a, 4 + a, 8 + a, 12 + a (16 bytes of nibbles each); after the 4 x 4 dword
-     * transpose in each 128-bit lane, v[k] holds dword k of rows 0 .. 15 in order */
+/* 16 rows' 16 bytes of nibbles (at byte `at` of each row's bytes rp[i]) -> w[8]: w[k] holds codes
+ * 4k .. 4k + 3 of rows 0 .. 15 (low nibbles are elements 0-15, high 16-31), through table if given. */
+static inline __attribute__((always_inline)) void nibbles16(const uint8_t *const rp[ROWS], int64_t at,
+                                                            const uint8_t *table, __m512i w[8]) {
+    /* z[a] holds rows a, 4 + a, 8 + a, 12 + a; after the 4 x 4 dword transpose in each 128-bit
+     * lane, v[k] holds dword k of rows 0 .. 15 in order */
     __m512i z[4], v[4];
     for (int a = 0; a < 4; a++) {
-        z[a] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[a] + at + qs_at(fmt))));
-        for (int l = 1; l < 4; l++)
-            z[a] = _mm512_inserti32x4(z[a], _mm_loadu_si128((const __m128i *)(rp[4 * l + a] + at + qs_at(fmt))), l);
+        z[a] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[a] + at)));
+        for (int l = 1; l < 4; l++) z[a] = _mm512_inserti32x4(z[a], _mm_loadu_si128((const __m128i *)(rp[4 * l + a] + at)), l);
     }
     const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
     const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
     v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
     v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    for (int k = 0; k < 4; k++) { /* elements 4k .. 4k + 3: low nibbles; 16 + 4k ..: high */
-        D->w[k] = _mm512_and_si512(v[k], m4);
-        D->w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v[k], 4), m4);
+    for (int k = 0; k < 4; k++) {
+        w[k] = _mm512_and_si512(v[k], m4);
+        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v[k], 4), m4);
     }
-    if (fmt == F_IQ4_NL) {
-        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4NL_UNSIGNED));
-        for (int k = 0; k < 8; k++) D->w[k] = _mm512_shuffle_epi8(table, D->w[k]);
+    if (table) {
+        const __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table));
+        for (int k = 0; k < 8; k++) w[k] = _mm512_shuffle_epi8(t, w[k]);
     }
+}
+
+/* Block b of 16 rows (rp: each row's bytes) -> D. */
+static inline __attribute__((always_inline)) void decode16(int fmt, const uint8_t *const rp[ROWS], int64_t b,
+                                                           wdec_t *D) {
+    const int64_t at = b * block_bytes(fmt);
+    nibbles16(rp, at + qs_at(fmt), fmt == F_IQ4_NL ? IQ4NL_UNSIGNED : NULL, D->w);
     uint16_t d16[ROWS], m16[ROWS];
     for (int i = 0; i < ROWS; i++) {
         d16[i] = rd16(rp[i] + at);
@@ -170,12 +177,119 @@ static void b32s_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
     }
 }
 
+/* IQ4_XS (x q8_K): the matvec sums S = sum over the 8 sub-blocks of ls * dot (exact int32), then
+ * acc += (yd * d) * float(S) per super-block. Here each sub-block's dot comes as the b32 ones do
+ * (values + 128, the activations' sum times 128 taken off), times the 16 rows' ls (vpmulld). */
+typedef struct {
+    int32_t qs[GT][64];  /* each token's 256 activations, 4 to a dword */
+    int32_t off[GT][8];  /* 128 * each sub-block's sum of qs */
+    float d[GT];
+    int32_t pad[12];
+} axk_t; /* [token groups][super-blocks], 1216 bytes */
+
+typedef struct {
+    __m512i w[8][8]; /* sub-block ib's codes 4k .. 4k + 3 of rows 0 .. 15 (IQ4 values + 128) */
+    __m512i ls[8];   /* sub-block ib's scale of each row (int32, ls - 32) */
+    __m512 d;
+} xsdec_t; /* one super-block of 16 rows */
+
+static size_t xs_size(int fmt, int64_t T, int64_t n) {
+    (void)fmt;
+    return (size_t)(padded(T) / GT * (n / 256)) * sizeof(axk_t);
+}
+
+static void xs_prep(int fmt, const void *xq, int64_t g, int64_t T, int64_t n, void *xl) {
+    (void)fmt;
+    const int64_t nsb = n / 256;
+    axk_t *o = (axk_t *)xl + g * nsb;
+    for (int64_t b = 0; b < nsb; b++) {
+        memset(o + b, 0, sizeof *o);
+        for (int i = 0; i < GT && GT * g + i < T; i++) {
+            const q8k_t *y = (const q8k_t *)xq + (GT * g + i) * nsb + b;
+            memcpy(o[b].qs[i], y->qs, 256);
+            for (int ib = 0; ib < 8; ib++) o[b].off[i][ib] = 128 * (y->bsums[2 * ib] + y->bsums[2 * ib + 1]);
+            o[b].d[i] = y->d;
+        }
+    }
+}
+
+static void xs_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *D) {
+    const int64_t at = b * 136;
+    for (int ib = 0; ib < 8; ib++) nibbles16(rp, at + 8 + 16 * ib, IQ4NL_UNSIGNED, D->w[ib]);
+    uint16_t d16[ROWS];
+    int32_t lo[ROWS], hi[ROWS];
+    for (int i = 0; i < ROWS; i++) {
+        d16[i] = rd16(rp[i] + at);
+        hi[i] = rd16(rp[i] + at + 2);
+        memcpy(lo + i, rp[i] + at + 4, 4);
+    }
+    D->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d16));
+    const __m512i l = _mm512_loadu_si512((const void *)lo), h = _mm512_loadu_si512((const void *)hi);
+    for (int ib = 0; ib < 8; ib++) { /* ls's low nibble: bits 4ib of scales_l; its top 2: bits 2ib of scales_h */
+        const __m512i low = _mm512_and_si512(_mm512_srl_epi32(l, _mm_cvtsi32_si128(4 * ib)), _mm512_set1_epi32(15));
+        const __m512i top = _mm512_and_si512(_mm512_srl_epi32(h, _mm_cvtsi32_si128(2 * ib)), _mm512_set1_epi32(3));
+        D->ls[ib] = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
+    }
+}
+
+static void xs_tile16(const xsdec_t *D, int64_t nsb, const axk_t *x, int64_t tn, int nr, float *y, int64_t ys) {
+    __m512 acc[GT];
+    for (int t = 0; t < GT; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const xsdec_t *wd = D + b;
+        const axk_t *a = x + b;
+        __m512i S[GT];
+        for (int t = 0; t < GT; t++) S[t] = _mm512_setzero_si512();
+        for (int ib = 0; ib < 8; ib++) {
+            __m512i s0[GT], s1[GT];
+            for (int t = 0; t < GT; t++) s0[t] = s1[t] = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k += 2)
+                for (int t = 0; t < GT; t++) {
+                    s0[t] = _mm512_dpbusd_epi32(s0[t], wd->w[ib][k], _mm512_set1_epi32(a->qs[t][8 * ib + k]));
+                    s1[t] = _mm512_dpbusd_epi32(s1[t], wd->w[ib][k + 1], _mm512_set1_epi32(a->qs[t][8 * ib + k + 1]));
+                }
+            for (int t = 0; t < GT; t++) {
+                const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(s0[t], s1[t]), _mm512_set1_epi32(a->off[t][ib]));
+                S[t] = _mm512_add_epi32(S[t], _mm512_mullo_epi32(wd->ls[ib], dot));
+            }
+        }
+        for (int t = 0; t < GT; t++)
+            acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(a->d[t]), wd->d),
+                                                         _mm512_cvtepi32_ps(S[t])));
+    }
+    const __mmask16 rows = (__mmask16)((1u << nr) - 1);
+    for (int t = 0; t < GT && t < tn; t++) _mm512_mask_storeu_ps(y + t * ys, rows, acc[t]);
+}
+
+static void xs_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n, const void *xl,
+                   int64_t T, float *y, int64_t ys) {
+    (void)fmt;
+    const int64_t nsb = n / 256, groups = padded(T) / GT;
+    xsdec_t *D = aligned_alloc(64, (size_t)nsb * sizeof(xsdec_t));
+    if (!D) return;
+    int64_t chunk = 512 * 1024 / (int64_t)((size_t)nsb * sizeof(axk_t));
+    chunk = chunk < 1 ? 1 : chunk;
+    for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+        const int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
+        for (int64_t r = r0; r < r1; r += ROWS) {
+            const int nr = (int)(r1 - r < ROWS ? r1 - r : ROWS);
+            const uint8_t *rp[ROWS];
+            for (int i = 0; i < ROWS; i++) rp[i] = w + (r + (i < nr ? i : 0)) * rb; /* lanes >= nr: unwritten */
+            for (int64_t b = 0; b < nsb; b++) xs_decode16(rp, b, D + b);
+            for (int64_t g = g0; g < g1; g++)
+                xs_tile16(D, nsb, (const axk_t *)xl + g * nsb, T - GT * g, nr, y + GT * g * ys + r, ys);
+        }
+    }
+    free(D);
+}
+
 void init_gemm_iq4_avx512(void) {
     for (int i = 0; i < 16; i++) IQ4NL_UNSIGNED[i] = (uint8_t)(KVALUES_IQ4NL[i] + 128);
     GEMM[F_Q4_1] = (gemm_ops){8, b32s_size, b32s_prep, b32s_run};
     GEMM[F_Q5_0] = (gemm_ops){8, b32s_size, b32s_prep, b32s_run};
     GEMM[F_Q5_1] = (gemm_ops){8, b32s_size, b32s_prep, b32s_run};
     GEMM[F_IQ4_NL] = (gemm_ops){8, b32s_size, b32s_prep, b32s_run};
+    GEMM[F_IQ4_XS] = (gemm_ops){8, xs_size, xs_prep, xs_run};
 }
 #else
 void init_gemm_iq4_avx512(void) {}

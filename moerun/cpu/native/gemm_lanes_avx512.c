@@ -1,15 +1,18 @@
-/* AVX-512 prefill GEMM for q4_1, q5_0, q5_1 and iq4_nl (32-element blocks x q8_0 activations) and
- * iq4_xs (x q8_K).
+/* AVX-512 prefill GEMM for q4_1, q5_0, q5_1, iq4_nl (32-element blocks x q8_0 activations), iq4_xs
+ * and iq3_s (x q8_K): each zmm lane holds one of 16 rows.
  *
- * Their integer matvec (avx512_iq4.c, as generic.c) applies the scales one block at a time on a
- * scalar fp32 chain per output: acc += (d * yd) * float(dot - offset * ysum) (q5_0: offset 16,
- * iq4_nl: 128), q4_1 and q5_1 acc += (d * yd) * float(dot) + (m * yd) * float(ysum). dot, the
- * block's exact int32 sum of codes times activations, does not depend on how it is summed, so the
- * GEMM puts 16 rows in the 16 lanes of a zmm instead: a block of 16 rows is decoded once per token
- * chunk into 8 zmm, zmm k holding the 4 unsigned codes 4k .. 4k + 3 of each row, and each token's
+ * The integer matvec of these formats (avx512_iq4.c, avx512_iq.c, as generic.c) applies the scales
+ * on a scalar fp32 chain per output: the 32-element blocks one at a time, acc += (d * yd) *
+ * float(dot - offset * ysum) (q5_0: offset 16, iq4_nl: 128), q4_1 and q5_1 acc += (d * yd) *
+ * float(dot) + (m * yd) * float(ysum); the 256-element ones once per super-block, acc += (yd * d) *
+ * float(S), S = the exact int32 sum over its 32-element sub-blocks of scale * dot. Exact integer
+ * sums do not depend on how they are summed, so the GEMM puts 16 rows in the 16 lanes of a zmm: a
+ * block of 16 rows is decoded once per token chunk into 8 zmm per 32 elements, zmm k holding the
+ * unsigned codes 4k .. 4k + 3 of each row (value + 128 where values are signed), and each token's
  * 4 activations of that position are broadcast against it (vpdpbusd), giving 16 rows' dots with no
- * horizontal sums. The fp32 steps then run per lane in the matvec's order, so every output is the
- * matvec's bits. */
+ * horizontal sums; the activations' sum times the offset comes off, the sub-block scales multiply
+ * in int32 (vpmulld). The fp32 steps then run per lane in the matvec's order, so every output is
+ * the matvec's bits. */
 #include <stdlib.h>
 
 #include "avx512.h"
@@ -232,6 +235,55 @@ static void xs_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *D) {
     }
 }
 
+/* IQ3_S: grid entry m (elements 4m .. 4m + 3) from index qs[m] | bit m of qh << 8; the sign of
+ * element j bit j of the signs; the scale of sub-block ib 2 * (its nibble) + 1; as iq_unpack.h. */
+static void iq3_s_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *D) {
+    const int64_t at = b * 110;
+    uint16_t d16[ROWS];
+    int32_t qh[2][ROWS], signs[8][ROWS], sc[ROWS];
+    for (int i = 0; i < ROWS; i++) {
+        d16[i] = rd16(rp[i] + at);
+        for (int h = 0; h < 2; h++) memcpy(&qh[h][i], rp[i] + at + 66 + 4 * h, 4);
+        for (int s = 0; s < 8; s++) memcpy(&signs[s][i], rp[i] + at + 74 + 4 * s, 4);
+        memcpy(sc + i, rp[i] + at + 106, 4);
+    }
+    D->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d16));
+    const __m512i scv = _mm512_loadu_si512((const void *)sc);
+    for (int ib = 0; ib < 8; ib++) {
+        const __m512i nib = _mm512_and_si512(_mm512_srl_epi32(scv, _mm_cvtsi32_si128(4 * ib)), _mm512_set1_epi32(15));
+        D->ls[ib] = _mm512_add_epi32(_mm512_add_epi32(nib, nib), _mm512_set1_epi32(1));
+    }
+    const __m512i base = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C));
+    const __m512i lo = _mm512_set1_epi32(0x08040201), hi = _mm512_set1_epi32((int)0x80402010);
+    const __m512i c128 = _mm512_set1_epi8((char)0x80);
+    for (int j = 0; j < 4; j++) { /* grid entries 16j .. 16j + 15: sub-blocks 2j, 2j + 1 */
+        __m512i z[4], v[4];
+        for (int a = 0; a < 4; a++) {
+            z[a] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[a] + at + 2 + 16 * j)));
+            for (int l = 1; l < 4; l++)
+                z[a] = _mm512_inserti32x4(z[a], _mm_loadu_si128((const __m128i *)(rp[4 * l + a] + at + 2 + 16 * j)), l);
+        }
+        const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+        v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
+        v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
+        const __m512i h = _mm512_loadu_si512((const void *)qh[j / 2]);
+        for (int e = 0; e < 16; e++) {
+            const int m = 16 * j + e, ib = m / 8, k = m % 8; /* entry m: dword e % 4 .. of v[e / 4] */
+            __m512i idx = _mm512_and_si512(_mm512_srl_epi32(v[e / 4], _mm_cvtsi32_si128(8 * (e % 4))),
+                                           _mm512_set1_epi32(255));
+            const __m512i top = _mm512_and_si512(_mm512_srl_epi32(h, _mm_cvtsi32_si128(m % 32)), _mm512_set1_epi32(1));
+            idx = _mm512_or_si512(idx, _mm512_slli_epi32(top, 8));
+            const __m512i g = _mm512_i32gather_epi32(idx, (const void *)IQ3S_GRID, 4);
+            /* elements 4k .. 4k + 3 of sub-block ib: bits 4k .. 4k + 3 of its sign dword */
+            const __m512i sv = _mm512_loadu_si512((const void *)signs[ib]);
+            const __m512i ctl = _mm512_add_epi8(base, _mm512_set1_epi8((char)(k / 2)));
+            const __mmask64 neg = _mm512_test_epi8_mask(_mm512_shuffle_epi8(sv, ctl), k % 2 ? hi : lo);
+            D->w[ib][k] = _mm512_mask_sub_epi8(_mm512_add_epi8(g, c128), neg, c128, g); /* 128 + value */
+        }
+    }
+}
+
 static void xs_tile16(const xsdec_t *D, int64_t nsb, const axk_t *x, int64_t tn, int nr, float *y, int64_t ys) {
     __m512 acc[GT];
     for (int t = 0; t < GT; t++) acc[t] = _mm512_setzero_ps();
@@ -261,9 +313,9 @@ static void xs_tile16(const xsdec_t *D, int64_t nsb, const axk_t *x, int64_t tn,
     for (int t = 0; t < GT && t < tn; t++) _mm512_mask_storeu_ps(y + t * ys, rows, acc[t]);
 }
 
-static void xs_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n, const void *xl,
-                   int64_t T, float *y, int64_t ys) {
-    (void)fmt;
+static inline __attribute__((always_inline)) void k256_body(int fmt, const uint8_t *w, size_t rb, int64_t r0,
+                                                            int64_t r1, int64_t n, const void *xl, int64_t T,
+                                                            float *y, int64_t ys) {
     const int64_t nsb = n / 256, groups = padded(T) / GT;
     xsdec_t *D = aligned_alloc(64, (size_t)nsb * sizeof(xsdec_t));
     if (!D) return;
@@ -275,7 +327,10 @@ static void xs_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1,
             const int nr = (int)(r1 - r < ROWS ? r1 - r : ROWS);
             const uint8_t *rp[ROWS];
             for (int i = 0; i < ROWS; i++) rp[i] = w + (r + (i < nr ? i : 0)) * rb; /* lanes >= nr: unwritten */
-            for (int64_t b = 0; b < nsb; b++) xs_decode16(rp, b, D + b);
+            for (int64_t b = 0; b < nsb; b++) {
+                if (fmt == F_IQ3_S) iq3_s_decode16(rp, b, D + b);
+                else xs_decode16(rp, b, D + b);
+            }
             for (int64_t g = g0; g < g1; g++)
                 xs_tile16(D, nsb, (const axk_t *)xl + g * nsb, T - GT * g, nr, y + GT * g * ys + r, ys);
         }
@@ -283,14 +338,21 @@ static void xs_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1,
     free(D);
 }
 
-void init_gemm_iq4_avx512(void) {
+static void k256_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n, const void *xl,
+                     int64_t T, float *y, int64_t ys) {
+    if (fmt == F_IQ3_S) k256_body(F_IQ3_S, w, rb, r0, r1, n, xl, T, y, ys);
+    else k256_body(F_IQ4_XS, w, rb, r0, r1, n, xl, T, y, ys);
+}
+
+void init_gemm_lanes_avx512(void) {
     for (int i = 0; i < 16; i++) IQ4NL_UNSIGNED[i] = (uint8_t)(KVALUES_IQ4NL[i] + 128);
-    GEMM[F_Q4_1] = (gemm_ops){8, b32s_size, b32s_prep, b32s_run};
-    GEMM[F_Q5_0] = (gemm_ops){8, b32s_size, b32s_prep, b32s_run};
-    GEMM[F_Q5_1] = (gemm_ops){8, b32s_size, b32s_prep, b32s_run};
-    GEMM[F_IQ4_NL] = (gemm_ops){8, b32s_size, b32s_prep, b32s_run};
-    GEMM[F_IQ4_XS] = (gemm_ops){8, xs_size, xs_prep, xs_run};
+    GEMM[F_Q4_1] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
+    GEMM[F_Q5_0] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
+    GEMM[F_Q5_1] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
+    GEMM[F_IQ4_NL] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
+    GEMM[F_IQ4_XS] = (gemm_ops){2, xs_size, xs_prep, k256_run};
+    GEMM[F_IQ3_S] = (gemm_ops){2, xs_size, xs_prep, k256_run};
 }
 #else
-void init_gemm_iq4_avx512(void) {}
+void init_gemm_lanes_avx512(void) {}
 #endif

@@ -268,10 +268,11 @@ def moe_decode(
     integer: bool = False,
     biases: tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]] | None = None,
     variant: str | None = None,
+    gemm: bool = True,
 ) -> torch.Tensor:
     """`moe_decode_table` over the step's E distinct experts given as (format, data) pairs: gate_up[e]
     [2I, H], down[e] [H, I]; slots' slot_expert int32 [T, k] indexes these lists. `biases`: (gate_up
-    biases, down biases), one fp32 [2I] / [H] or None per expert."""
+    biases, down biases), one fp32 [2I] / [H] or None per expert. gemm=False: the row kernels only."""
     if len(gate_up) != len(down) or not gate_up:
         raise ValueError(
             f"moe_decode: need as many gate_up as down weights (>0), got {len(gate_up)}, {len(down)}."
@@ -317,7 +318,7 @@ def moe_decode(
     if slot_expert.numel() and (int(slot_expert.min()) < 0 or int(slot_expert.max()) >= len(gate_up)):
         raise ValueError(f"moe_decode: slot_expert must index the {len(gate_up)} experts given.")
     weights = slot_weight.float().contiguous()
-    return moe_decode_table(x, table, (slot_expert, weights), act, integer, variant=variant)
+    return moe_decode_table(x, table, (slot_expert, weights), act, integer, variant=variant, gemm=gemm)
 
 
 LinearWeight = tuple[str, torch.Tensor, torch.Tensor | None]  # (format name, data, bias or None)

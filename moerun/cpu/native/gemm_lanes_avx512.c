@@ -351,7 +351,7 @@ void init_gemm_lanes_avx512(void) {
     GEMM[F_Q5_1] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
     GEMM[F_IQ4_NL] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
     GEMM[F_IQ4_XS] = (gemm_ops){2, xs_size, xs_prep, k256_run};
-    GEMM[F_IQ3_S] = (gemm_ops){2, xs_size, xs_prep, k256_run};
+    GEMM[F_IQ3_S] = (gemm_ops){4, xs_size, xs_prep, k256_run};
 }
 #else
 void init_gemm_lanes_avx512(void) {}

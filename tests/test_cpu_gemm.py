@@ -53,7 +53,9 @@ def test_gemm_matches_exact_integer_sums(fmt_name):
     assert ((y.double() - expected).abs() <= REL_BOUND * magnitude).all()
 
 
-@pytest.mark.parametrize("fmt_name", ["q4_k", "q6_k", "q8_0", "mxfp4", "q5_0", "iq4_nl", "iq4_xs", "iq3_s"])
+@pytest.mark.parametrize(
+    "fmt_name", ["q4_k", "q6_k", "q8_0", "mxfp4", "q5_0", "iq4_nl", "iq4_xs", "iq3_s", "iq2_xxs"]
+)
 def test_gemm_bitwise_over_threads_and_alignment(fmt_name):
     if fmt_name not in GEMM_FORMATS:
         pytest.skip(f"no {fmt_name} GEMM in the {cpu.isa()} kernels")
@@ -86,6 +88,7 @@ def test_gemm_bitwise_over_threads_and_alignment(fmt_name):
         ("q5_1", 300, 2048),
         ("iq4_xs", 300, 2048),
         ("iq3_s", 300, 2048),
+        ("iq2_xxs", 300, 2048),
     ],
 )
 def test_gemm_every_token_remainder_and_a_long_prompt(fmt_name, T, n):

@@ -1,5 +1,5 @@
-/* AVX-512 prefill GEMM for q4_1, q5_0, q5_1, iq4_nl (32-element blocks x q8_0 activations), iq4_xs
- * and iq3_s (x q8_K): each zmm lane holds one of 16 rows.
+/* AVX-512 prefill GEMM for q4_1, q5_0, q5_1, iq4_nl (32-element blocks x q8_0 activations), iq4_xs,
+ * iq3_s and iq2_xxs (x q8_K): each zmm lane holds one of 16 rows.
  *
  * The integer matvec of these formats (avx512_iq4.c, avx512_iq.c, as generic.c) applies the scales
  * on a scalar fp32 chain per output: the 32-element blocks one at a time, acc += (d * yd) *
@@ -284,6 +284,45 @@ static void iq3_s_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *D)
     }
 }
 
+/* KSIGNS_IQ2XS widened to int32 (at init), for vpgatherdd. */
+static int32_t KSIGNS32[128];
+
+/* IQ2_XXS: sub-block ib is 4 grid indices (bytes) and a uint32 aux: 4 7-bit indices into
+ * KSIGNS_IQ2XS (the signs of each grid entry's 8 values) and the scale 2 * (aux >> 28) + 1; d is
+ * the fp16 d times 0.125f; as iq_unpack.h. */
+static void iq2_xxs_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *D) {
+    const int64_t at = b * 66;
+    uint16_t d16[ROWS];
+    int32_t grid[8][ROWS], aux[8][ROWS];
+    for (int i = 0; i < ROWS; i++) {
+        d16[i] = rd16(rp[i] + at);
+        for (int ib = 0; ib < 8; ib++) {
+            memcpy(&grid[ib][i], rp[i] + at + 2 + 8 * ib, 4);
+            memcpy(&aux[ib][i], rp[i] + at + 6 + 8 * ib, 4);
+        }
+    }
+    D->d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d16)), _mm512_set1_ps(0.125f));
+    const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C));
+    const __m512i lo = _mm512_set1_epi32(0x08040201), hi = _mm512_set1_epi32((int)0x80402010);
+    const __m512i c128 = _mm512_set1_epi8((char)0x80);
+    for (int ib = 0; ib < 8; ib++) {
+        const __m512i g = _mm512_loadu_si512((const void *)grid[ib]), a = _mm512_loadu_si512((const void *)aux[ib]);
+        const __m512i top = _mm512_srli_epi32(a, 28);
+        D->ls[ib] = _mm512_add_epi32(_mm512_add_epi32(top, top), _mm512_set1_epi32(1));
+        for (int l = 0; l < 4; l++) { /* grid entry l: values 8l .. 8l + 7, dwords 2l and 2l + 1 */
+            const __m512i gi = _mm512_and_si512(_mm512_srl_epi32(g, _mm_cvtsi32_si128(8 * l)), _mm512_set1_epi32(255));
+            const __m512i si = _mm512_and_si512(_mm512_srl_epi32(a, _mm_cvtsi32_si128(7 * l)), _mm512_set1_epi32(127));
+            const __m512i signs = _mm512_shuffle_epi8(_mm512_i32gather_epi32(si, (const void *)KSIGNS32, 4), spread);
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_add_epi32(gi, gi), _mm512_set1_epi32(h)),
+                                                         (const void *)IQ2XXS_GRID, 4);
+                const __mmask64 neg = _mm512_test_epi8_mask(signs, h ? hi : lo);
+                D->w[ib][2 * l + h] = _mm512_mask_sub_epi8(_mm512_add_epi8(v, c128), neg, c128, v); /* 128 + value */
+            }
+        }
+    }
+}
+
 static void xs_tile16(const xsdec_t *D, int64_t nsb, const axk_t *x, int64_t tn, int nr, float *y, int64_t ys) {
     __m512 acc[GT];
     for (int t = 0; t < GT; t++) acc[t] = _mm512_setzero_ps();
@@ -329,6 +368,7 @@ static inline __attribute__((always_inline)) void k256_body(int fmt, const uint8
             for (int i = 0; i < ROWS; i++) rp[i] = w + (r + (i < nr ? i : 0)) * rb; /* lanes >= nr: unwritten */
             for (int64_t b = 0; b < nsb; b++) {
                 if (fmt == F_IQ3_S) iq3_s_decode16(rp, b, D + b);
+                else if (fmt == F_IQ2_XXS) iq2_xxs_decode16(rp, b, D + b);
                 else xs_decode16(rp, b, D + b);
             }
             for (int64_t g = g0; g < g1; g++)
@@ -341,17 +381,20 @@ static inline __attribute__((always_inline)) void k256_body(int fmt, const uint8
 static void k256_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n, const void *xl,
                      int64_t T, float *y, int64_t ys) {
     if (fmt == F_IQ3_S) k256_body(F_IQ3_S, w, rb, r0, r1, n, xl, T, y, ys);
+    else if (fmt == F_IQ2_XXS) k256_body(F_IQ2_XXS, w, rb, r0, r1, n, xl, T, y, ys);
     else k256_body(F_IQ4_XS, w, rb, r0, r1, n, xl, T, y, ys);
 }
 
 void init_gemm_lanes_avx512(void) {
     for (int i = 0; i < 16; i++) IQ4NL_UNSIGNED[i] = (uint8_t)(KVALUES_IQ4NL[i] + 128);
+    for (int i = 0; i < 128; i++) KSIGNS32[i] = KSIGNS_IQ2XS[i];
     GEMM[F_Q4_1] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
     GEMM[F_Q5_0] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
     GEMM[F_Q5_1] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
     GEMM[F_IQ4_NL] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
     GEMM[F_IQ4_XS] = (gemm_ops){2, xs_size, xs_prep, k256_run};
     GEMM[F_IQ3_S] = (gemm_ops){4, xs_size, xs_prep, k256_run};
+    GEMM[F_IQ2_XXS] = (gemm_ops){4, xs_size, xs_prep, k256_run};
 }
 #else
 void init_gemm_lanes_avx512(void) {}

@@ -284,9 +284,6 @@ static void iq3_s_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *D)
     }
 }
 
-/* KSIGNS_IQ2XS widened to int32 (at init), for vpgatherdd. */
-static int32_t KSIGNS32[128];
-
 /* IQ2_XXS: sub-block ib is 4 grid indices (bytes) and a uint32 aux: 4 7-bit indices into
  * KSIGNS_IQ2XS (the signs of each grid entry's 8 values) and the scale 2 * (aux >> 28) + 1; d is
  * the fp16 d times 0.125f; as iq_unpack.h. */
@@ -311,11 +308,19 @@ static void iq2_xxs_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *
         D->ls[ib] = _mm512_add_epi32(_mm512_add_epi32(top, top), _mm512_set1_epi32(1));
         for (int l = 0; l < 4; l++) { /* grid entry l: values 8l .. 8l + 7, dwords 2l and 2l + 1 */
             const __m512i gi = _mm512_and_si512(_mm512_srl_epi32(g, _mm_cvtsi32_si128(8 * l)), _mm512_set1_epi32(255));
+            /* KSIGNS_IQ2XS[i] is i with bit 7 making the popcount even (ggml's table) */
             const __m512i si = _mm512_and_si512(_mm512_srl_epi32(a, _mm_cvtsi32_si128(7 * l)), _mm512_set1_epi32(127));
-            const __m512i signs = _mm512_shuffle_epi8(_mm512_i32gather_epi32(si, (const void *)KSIGNS32, 4), spread);
+            __m512i par = _mm512_xor_si512(si, _mm512_srli_epi32(si, 4));
+            par = _mm512_xor_si512(par, _mm512_srli_epi32(par, 2));
+            par = _mm512_and_si512(_mm512_xor_si512(par, _mm512_srli_epi32(par, 1)), _mm512_set1_epi32(1));
+            const __m512i signs = _mm512_shuffle_epi8(_mm512_or_si512(si, _mm512_slli_epi32(par, 7)), spread);
+            /* the 8-byte entries of rows 0-7 and 8-15, their low and high dwords sorted into rows */
+            const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(gi), (const void *)IQ2XXS_GRID, 8);
+            const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(gi, 1), (const void *)IQ2XXS_GRID, 8);
             for (int h = 0; h < 2; h++) {
-                const __m512i v = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_add_epi32(gi, gi), _mm512_set1_epi32(h)),
-                                                         (const void *)IQ2XXS_GRID, 4);
+                const __m512i pick = _mm512_add_epi32(_mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
+                                                      _mm512_set1_epi32(h));
+                const __m512i v = _mm512_permutex2var_epi32(e0, pick, e1);
                 const __mmask64 neg = _mm512_test_epi8_mask(signs, h ? hi : lo);
                 D->w[ib][2 * l + h] = _mm512_mask_sub_epi8(_mm512_add_epi8(v, c128), neg, c128, v); /* 128 + value */
             }
@@ -387,7 +392,6 @@ static void k256_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
 
 void init_gemm_lanes_avx512(void) {
     for (int i = 0; i < 16; i++) IQ4NL_UNSIGNED[i] = (uint8_t)(KVALUES_IQ4NL[i] + 128);
-    for (int i = 0; i < 128; i++) KSIGNS32[i] = KSIGNS_IQ2XS[i];
     GEMM[F_Q4_1] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
     GEMM[F_Q5_0] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
     GEMM[F_Q5_1] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};

@@ -129,15 +129,17 @@ static inline __attribute__((always_inline)) void tile16(int fmt, const wdec_t *
         const wdec_t *wd = D + b;
         const ax_t *a = x + b;
         __m512i s0[GT], s1[GT]; /* two chains per token: the exact int32 sums in any order */
-        for (int t = 0; t < GT; t++) s0[t] = s1[t] = _mm512_setzero_si512();
+        for (int t = 0; t < GT; t++) { /* the offset's term first */
+            s0[t] = offset_of(fmt) ? _mm512_set1_epi32(-a->off[t]) : _mm512_setzero_si512();
+            s1[t] = _mm512_setzero_si512();
+        }
         for (int k = 0; k < 8; k += 2)
             for (int t = 0; t < GT; t++) {
                 s0[t] = _mm512_dpbusd_epi32(s0[t], wd->w[k], _mm512_set1_epi32(a->qs[t][k]));
                 s1[t] = _mm512_dpbusd_epi32(s1[t], wd->w[k + 1], _mm512_set1_epi32(a->qs[t][k + 1]));
             }
         for (int t = 0; t < GT; t++) {
-            __m512i dot = _mm512_add_epi32(s0[t], s1[t]);
-            if (offset_of(fmt)) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(a->off[t]));
+            const __m512i dot = _mm512_add_epi32(s0[t], s1[t]);
             const __m512 yd = _mm512_set1_ps(a->d[t]);
             __m512 p = _mm512_mul_ps(_mm512_mul_ps(wd->d, yd), _mm512_cvtepi32_ps(dot));
             if (has_min(fmt)) p = _mm512_add_ps(p, _mm512_mul_ps(_mm512_mul_ps(wd->m, yd), _mm512_set1_ps(a->sum[t])));
@@ -338,15 +340,17 @@ static void xs_tile16(const xsdec_t *D, int64_t nsb, const axk_t *x, int64_t tn,
         for (int t = 0; t < GT; t++) S[t] = _mm512_setzero_si512();
         for (int ib = 0; ib < 8; ib++) {
             __m512i s0[GT], s1[GT];
-            for (int t = 0; t < GT; t++) s0[t] = s1[t] = _mm512_setzero_si512();
+            for (int t = 0; t < GT; t++) {
+                s0[t] = _mm512_set1_epi32(-a->off[t][ib]);
+                s1[t] = _mm512_setzero_si512();
+            }
             for (int k = 0; k < 8; k += 2)
                 for (int t = 0; t < GT; t++) {
                     s0[t] = _mm512_dpbusd_epi32(s0[t], wd->w[ib][k], _mm512_set1_epi32(a->qs[t][8 * ib + k]));
                     s1[t] = _mm512_dpbusd_epi32(s1[t], wd->w[ib][k + 1], _mm512_set1_epi32(a->qs[t][8 * ib + k + 1]));
                 }
             for (int t = 0; t < GT; t++) {
-                const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(s0[t], s1[t]), _mm512_set1_epi32(a->off[t][ib]));
-                S[t] = _mm512_add_epi32(S[t], _mm512_mullo_epi32(wd->ls[ib], dot));
+                S[t] = _mm512_add_epi32(S[t], _mm512_mullo_epi32(wd->ls[ib], _mm512_add_epi32(s0[t], s1[t])));
             }
         }
         for (int t = 0; t < GT; t++)

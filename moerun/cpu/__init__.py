@@ -19,7 +19,7 @@ against moerun.decoder.attention (with the model's RMSNorm), `moe_route` against
 
 Prefill: on avx512, integer-mode matmul of many tokens (q4_k, q5_k from T = 16; q6_k from 64;
 q8_0 from 4; q4_0, mxfp4 from 8; q4_1, q5_0, q5_1, iq4_nl, iq4_xs from 2; iq3_s, iq2_xxs from 4)
-runs a GEMM (native/gemm_*.c) that decodes each weight block once per 4 rows (gemm_lanes_avx512.c:
+runs a GEMM (native/gemm_*.c) that decodes each weight block once per 4 rows (gemm_lanes_*.c:
 16 rows, one per zmm lane) and token chunk; it computes every output with the row kernels' own
 integer sums and fp32 steps, so prefill equals decode (T = 1) bit for bit. The MoE step takes it
 per expert, for the experts with that many tokens.

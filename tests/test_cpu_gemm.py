@@ -9,6 +9,7 @@ from test_cpu_kernels import REL_BOUND, _offset_copy, make_weight, make_x
 
 from moerun import cpu
 from moerun.cpu import reference as ref
+from moerun.quant.formats import get_format
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"native CPU kernels: {cpu.unavailable_reason()}")
 
@@ -19,7 +20,7 @@ T_GEMM = 67  # above every format's GEMM threshold (64 at most), not a multiple 
 def _n(fmt_name: str) -> int:
     # 512: two super-blocks; 224 = 7 blocks of 32 (pairs plus an odd one; q4_0 / mxfp4 take groups
     # of 4 and 3 leftovers, each its own unit)
-    return 512 if fmt_name.endswith("_k") else 224
+    return 512 if get_format(fmt_name).block_size == 256 else 224
 
 
 def bits(y: torch.Tensor) -> torch.Tensor:
@@ -52,7 +53,9 @@ def test_gemm_matches_exact_integer_sums(fmt_name):
     assert ((y.double() - expected).abs() <= REL_BOUND * magnitude).all()
 
 
-@pytest.mark.parametrize("fmt_name", ["q4_k", "q6_k", "q8_0", "mxfp4"])
+@pytest.mark.parametrize(
+    "fmt_name", ["q4_k", "q6_k", "q8_0", "mxfp4", "q5_0", "iq4_nl", "iq4_xs", "iq3_s", "iq2_xxs"]
+)
 def test_gemm_bitwise_over_threads_and_alignment(fmt_name):
     if fmt_name not in GEMM_FORMATS:
         pytest.skip(f"no {fmt_name} GEMM in the {cpu.isa()} kernels")
@@ -77,17 +80,22 @@ def test_gemm_bitwise_over_threads_and_alignment(fmt_name):
     ("fmt_name", "T", "n"),
     [("q8_0", T, 224) for T in (64, 65, 66)]
     + [("q6_k", T, 512) for T in (2, 3, 5, 6)]
+    + [("iq4_nl", T, 224) for T in (64, 65, 66)]
     + [
         ("q8_0", 300, 2048),
         ("q4_k", 300, 2048),
         ("q6_k", 300, 2048),
+        ("q5_1", 300, 2048),
+        ("iq4_xs", 300, 2048),
+        ("iq3_s", 300, 2048),
+        ("iq2_xxs", 300, 2048),
     ],
 )
 def test_gemm_every_token_remainder_and_a_long_prompt(fmt_name, T, n):
     # q8_0 takes the GEMM from 4 tokens: 64..67 tokens cover each remainder of the 4-token
     # micro-kernel, as q6_k's 2..6 (its GEMM from 2 tokens); 300 tokens of 2048 inputs pass the
-    # activation chunk (~512 KiB: q8_0 84 tokens, q4_k 224, q6_k 200), after which the rows are
-    # decoded again
+    # activation chunk (~512 KiB: q8_0 84 tokens, q4_k 224, q6_k 200, q5_1 168, iq4_xs 212), after
+    # which the rows are decoded again
     if fmt_name not in GEMM_FORMATS:
         pytest.skip(f"no {fmt_name} GEMM in the {cpu.isa()} kernels")
     w, x = make_weight(fmt_name, out=10, n=n), make_x(T, n)

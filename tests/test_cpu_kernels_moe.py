@@ -77,6 +77,22 @@ def test_integer_moe_decode_matches_integer_reference(variant, gu_fmt, down_fmt,
     assert (out.double() - exact).abs().max() < 0.05 * exact.abs().max()  # and it is near the exact value
 
 
+@needs_native
+@pytest.mark.parametrize(
+    ("gu_fmt", "down_fmt"), [("iq4_xs", "q5_0"), ("q4_1", "iq4_nl"), ("iq3_s", "q5_1"), ("iq2_xxs", "iq4_xs")]
+)
+def test_integer_moe_decode_gemm_experts_equal_row_kernels_bitwise(gu_fmt, down_fmt):
+    # 24 tokens, 3 of 5 experts each: every expert gets more tokens than its formats' GEMM threshold
+    # (4 at most), so the step takes the GEMM for each; it must give the row kernels' bits
+    if not {gu_fmt, down_fmt} <= cpu.gemm_formats():
+        pytest.skip(f"no {gu_fmt} / {down_fmt} GEMM in the {cpu.isa()} kernels")
+    x, gu, dn, se, sw, _, _ = make_step(gu_fmt, down_fmt, 24)
+    assert int(torch.bincount(se.flatten().long(), minlength=E).min()) > 4
+    y = cpu.moe_decode(x, gu, dn, (se, sw), GLU("silu"), True)
+    rows = cpu.moe_decode(x, gu, dn, (se, sw), GLU("silu"), True, gemm=False)
+    assert torch.equal(y.view(torch.int32), rows.view(torch.int32))
+
+
 def cpu_dense(weight):
     from moerun.quant import dequant
     from moerun.quant.formats import get_format

@@ -18,10 +18,11 @@ against moerun.decoder.attention (with the model's RMSNorm), `moe_route` against
 `dequantize_rows` against moerun.quant.dequant (bit for bit).
 
 Prefill: on avx512, integer-mode matmul of many tokens (q4_k, q5_k from T = 16; q6_k from 64;
-q8_0 from 4; q4_0, mxfp4 from 8) runs a GEMM (native/gemm_*.c) that decodes each weight block once
-per 4 rows and token chunk; it computes every output with the row kernels' own integer sums and
-fp32 steps, so prefill equals decode (T = 1) bit for bit. The MoE step takes it per expert, for the
-experts with that many tokens.
+q8_0 from 4; q4_0, mxfp4 from 8; q4_1, q5_0, q5_1, iq4_nl, iq4_xs from 2; iq3_s, iq2_xxs from 4)
+runs a GEMM (native/gemm_*.c) that decodes each weight block once per 4 rows (gemm_lanes_*.c:
+16 rows, one per zmm lane) and token chunk; it computes every output with the row kernels' own
+integer sums and fp32 steps, so prefill equals decode (T = 1) bit for bit. The MoE step takes it
+per expert, for the experts with that many tokens.
 
 The formats added second (q4_1, q5_0, q5_1, iq4_nl, iq4_xs, the grid i-quants, tq1_0, tq2_0) give the
 same bits on every variant: their SIMD kernels (avx2_iq4.c, avx512_iq4.c, avx2_iq.c, avx512_iq.c)
@@ -30,8 +31,9 @@ and its fp32 steps in its order.
 
 Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
 exact mode for q2_k/q3_k/q5_k on every variant and for q8_0, q4_0, mxfp4, q4_k, q6_k on avx2;
-integer mode for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k, for the formats added second,
-or on avx2: there, large T is tiled (weights stay in L2) through the row kernels.
+integer mode for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k, for iq2_xs, iq2_s,
+iq3_xxs, iq1_s, iq1_m, tq1_0, tq2_0, or on avx2: there, large T is tiled (weights stay in L2) through
+the row kernels.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def isa() -> str:
 
 
 def gemm_formats(variant: str | None = None) -> frozenset[str]:
-    """The formats whose integer-mode matmul runs the prefill GEMM for many tokens (from T = 4 to 64,
+    """The formats whose integer-mode matmul runs the prefill GEMM for many tokens (from T = 2 to 64,
     per format) in `variant` (default: the dispatched one); the others run the row kernels."""
     return library.native(variant).gemm_formats
 
@@ -268,10 +270,11 @@ def moe_decode(
     integer: bool = False,
     biases: tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]] | None = None,
     variant: str | None = None,
+    gemm: bool = True,
 ) -> torch.Tensor:
     """`moe_decode_table` over the step's E distinct experts given as (format, data) pairs: gate_up[e]
     [2I, H], down[e] [H, I]; slots' slot_expert int32 [T, k] indexes these lists. `biases`: (gate_up
-    biases, down biases), one fp32 [2I] / [H] or None per expert."""
+    biases, down biases), one fp32 [2I] / [H] or None per expert. gemm=False: the row kernels only."""
     if len(gate_up) != len(down) or not gate_up:
         raise ValueError(
             f"moe_decode: need as many gate_up as down weights (>0), got {len(gate_up)}, {len(down)}."
@@ -317,7 +320,7 @@ def moe_decode(
     if slot_expert.numel() and (int(slot_expert.min()) < 0 or int(slot_expert.max()) >= len(gate_up)):
         raise ValueError(f"moe_decode: slot_expert must index the {len(gate_up)} experts given.")
     weights = slot_weight.float().contiguous()
-    return moe_decode_table(x, table, (slot_expert, weights), act, integer, variant=variant)
+    return moe_decode_table(x, table, (slot_expert, weights), act, integer, variant=variant, gemm=gemm)
 
 
 LinearWeight = tuple[str, torch.Tensor, torch.Tensor | None]  # (format name, data, bias or None)

@@ -28,6 +28,8 @@ __attribute__((constructor)) void moerun_ensure_init(void) { /* runs when the li
     init_gemm_kq_avx512();
     init_gemm_q6k_avx512();
     init_gemm_b32_avx512();
+    init_gemm_lanes_b32_avx512();
+    init_gemm_lanes_k_avx512();
     initialised = 1;
 }
 

@@ -26,14 +26,40 @@ static inline __m512i scales4(int s0, int s1, int s2, int s3) {
                                                                                  (short)s3, 0, 0, 0, 0)));
 }
 
-/* Eight 7-bit indices into ksigns_iq2xs (four in each of two uint32, at bits 0, 7, 14, 21) -> 64 sign bits. */
-static inline __mmask64 ksigns8(uint32_t a, uint32_t b) {
-    uint64_t bits = 0;
-    for (int l = 0; l < 4; l++) {
-        bits |= (uint64_t)KSIGNS_IQ2XS[(a >> (7 * l)) & 127] << (8 * l);
-        bits |= (uint64_t)KSIGNS_IQ2XS[(b >> (7 * l)) & 127] << (8 * l + 32);
+/* Bit 7 of each byte (each below 128): the parity of its low 7 bits, as ksigns_iq2xs[v] = v | parity(v) << 7. */
+static inline __m256i with_parity_bit(__m256i v) {
+    const __m256i par = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0)); /* parity(i) << 7 */
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_shuffle_epi8(par, _mm256_and_si256(v, m4));
+    const __m256i hi = _mm256_shuffle_epi8(par, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+    return _mm256_or_si256(v, _mm256_xor_si256(lo, hi));
+}
+
+/* IQ2_XXS / IQ3_XXS: the 8 runs' uint32 aux words (run k's in dword lane `stride` * k + `first` of
+ * `aux`) -> the four pairs' sign masks (run 2c's four 7-bit fields at bits 0, 7, 14, 21 through
+ * ksigns_iq2xs -> bytes 0-3 of mask c, run 2c + 1's -> bytes 4-7) and int16 scales 2 (aux >> 28) + 1. */
+static inline void signs_scales_x8(__m512i aux, int stride, int first, pairs_t *s) {
+    const __m512i run = _mm512_add_epi32(
+        _mm512_mullo_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_set1_epi32(stride)),
+        _mm512_set1_epi32(first));
+    const __m512i shift = _mm512_set_epi32(21, 14, 7, 0, 21, 14, 7, 0, 21, 14, 7, 0, 21, 14, 7, 0);
+    const __m512i f7 = _mm512_set1_epi32(127);
+    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(run, aux), shift), f7);
+    const __m512i later = _mm512_add_epi32(run, _mm512_set1_epi32(4 * stride)); /* runs 4-7 */
+    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(later, aux), shift), f7);
+    const __m256i bytes = with_parity_bit(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(lo)), _mm512_cvtepi32_epi8(hi), 1));
+    const __m128i b01 = _mm256_castsi256_si128(bytes), b23 = _mm256_extracti128_si256(bytes, 1);
+    s->neg[0] = (__mmask64)_mm_cvtsi128_si64(b01), s->neg[1] = (__mmask64)_mm_extract_epi64(b01, 1);
+    s->neg[2] = (__mmask64)_mm_cvtsi128_si64(b23), s->neg[3] = (__mmask64)_mm_extract_epi64(b23, 1);
+    /* int16 lane 2 (stride * k + first) holds run k's scale */
+    const __m512i sc = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), _mm512_set1_epi32(1));
+    const __m512i half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16((short)(2 * stride)), 1);
+    for (int c = 0; c < 4; c++) {
+        const __m512i which = _mm512_add_epi16(half, _mm512_set1_epi16((short)(2 * (2 * c * stride + first))));
+        s->sc[c] = _mm512_permutexvar_epi16(which, sc);
     }
-    return (__mmask64)bits;
 }
 
 static inline uint64_t rd64(const uint8_t *p) {
@@ -43,14 +69,12 @@ static inline uint64_t rd64(const uint8_t *p) {
 }
 
 static inline void pairs_iq2_xxs(const uint8_t *b, pairs_t *s) {
+    /* run k: 4 index bytes (dword 2k of the 64 bytes at b + 2), then its uint32 aux (dword 2k + 1) */
+    signs_scales_x8(_mm512_loadu_si512((const void *)(b + 2)), 2, 1, s);
     for (int c = 0; c < 4; c++) {
-        const uint8_t *p = b + 2 + 16 * c; /* run 2c: 4 index bytes, uint32 aux; then run 2c + 1 */
-        const uint32_t a = rd32(p + 4), bb = rd32(p + 12);
-        const __m512i idx = _mm512_cvtepu8_epi64(_mm_cvtsi64_si128((long long)(rd32(p) | (uint64_t)rd32(p + 8) << 32)));
+        const __m128i runs = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)); /* runs 2c, 2c + 1 */
+        const __m512i idx = _mm512_cvtepu8_epi64(_mm_shuffle_epi32(runs, _MM_SHUFFLE(3, 3, 2, 0)));
         s->mag[c] = _mm512_i64gather_epi64(idx, (const void *)IQ2XXS_GRID, 8);
-        s->neg[c] = ksigns8(a, bb);
-        const int la = 2 * (int)(a >> 28) + 1, lb = 2 * (int)(bb >> 28) + 1;
-        s->sc[c] = scales4(la, la, lb, lb);
     }
     s->d = f16_at(b) * 0.125f;
 }
@@ -84,13 +108,10 @@ static inline void pairs_iq2_s(const uint8_t *b, pairs_t *s) {
 }
 
 static inline void pairs_iq3_xxs(const uint8_t *b, pairs_t *s) {
+    signs_scales_x8(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 66))), 1, 0, s); /* run k's aux */
     for (int c = 0; c < 4; c++) {
         const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
         s->mag[c] = _mm512_i32gather_epi32(idx, (const void *)IQ3XXS_GRID, 4);
-        const uint32_t a = rd32(b + 66 + 8 * c), bb = rd32(b + 70 + 8 * c);
-        s->neg[c] = ksigns8(a, bb);
-        const int la = 2 * (int)(a >> 28) + 1, lb = 2 * (int)(bb >> 28) + 1;
-        s->sc[c] = scales4(la, la, lb, lb);
     }
     s->d = f16_at(b) * 0.25f;
 }

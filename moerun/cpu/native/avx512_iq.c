@@ -2,7 +2,8 @@
  * bits as generic.c's (and avx2_iq.c's): per super-block the exact int32 S = sum of sc * dot, then
  * acc += (yd * d) * S in fp32. Two runs of 32 elements per zmm: grid entries gathered (vpgatherqq /
  * vpgatherdd), the sign bits as a mask that negates the activations, u8 x s8 pairs (vpmaddubsw) and
- * the scales in int32 (vpdpwssd); IQ1's and TQ1's signed values as magnitudes and a mask. */
+ * the scales in int32 (vpdpwssd); IQ1's signed values as magnitudes and a mask. The ternary formats'
+ * integer mode: their codes 0-2 (0-3) straight into vpdpbusd, the 256 activations' sum taken off. */
 #include "avx512.h"
 
 #ifdef MOERUN_AVX512
@@ -129,15 +130,22 @@ static inline void pairs_iq3_s(const uint8_t *b, pairs_t *s) {
 }
 
 /* TQ2_0: pair c = runs 2c, 2c + 1 = the fields at shifts 4(c % 2) and 4(c % 2) + 2 of bytes
- * 32(c / 2) .. + 31; value code - 1 (code 3, which ggml's quantiser never writes, is 2). */
-static inline void pairs_tq2_0(const uint8_t *b, pairs_t *s) {
+ * 32(c / 2) .. + 31, as codes 0-3; value code - 1 (code 3, which ggml's quantiser never writes, is 2). */
+static inline void codes_tq2_0(const uint8_t *b, __m512i code[4]) {
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); /* 0 | 2 */
     for (int c = 0; c < 4; c++) {
         const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 32 * (c / 2))));
-        const __m512i code = _mm512_and_si512(
+        code[c] = _mm512_and_si512(
             _mm512_srlv_epi16(v, _mm512_add_epi16(shift, _mm512_set1_epi16((short)(4 * (c % 2))))), _mm512_set1_epi8(3));
-        s->mag[c] = _mm512_abs_epi8(_mm512_sub_epi8(code, _mm512_set1_epi8(1)));
-        s->neg[c] = _mm512_cmpeq_epi8_mask(code, _mm512_setzero_si512());
+    }
+}
+
+static inline void pairs_tq2_0(const uint8_t *b, pairs_t *s) {
+    __m512i code[4];
+    codes_tq2_0(b, code);
+    for (int c = 0; c < 4; c++) {
+        s->mag[c] = _mm512_abs_epi8(_mm512_sub_epi8(code[c], _mm512_set1_epi8(1)));
+        s->neg[c] = _mm512_cmpeq_epi8_mask(code[c], _mm512_setzero_si512());
         s->sc[c] = _mm512_set1_epi16(1);
     }
     s->d = f16_at(b + 64);
@@ -209,24 +217,28 @@ static inline __m128i times3_x16(__m128i p) { return _mm_add_epi8(p, _mm_add_epi
 /* TQ1_0 (iq_unpack.h's layout): pairs (0, 1) and (2, 3) are digits (0, 1), (2, 3) of bytes 0-31;
  * pair (4, 5) is digit 4 of bytes 0-31, then digits 0, 1 of bytes 32-47; pair (6, 7) digits 2, 3, 4
  * of bytes 32-47, then digits 0-3 of bytes 48-51. Value digit - 1. */
-static inline void pairs_tq1_0(const uint8_t *b, pairs_t *s) {
+static inline void codes_tq1_0(const uint8_t *b, __m512i digits[4]) {
     const __m256i v = _mm256_loadu_si256((const __m256i *)b);
     __m512i p = _mm512_inserti64x4(_mm512_castsi256_si512(v), times3_x32(v), 1);
-    __m512i digits[4];
     digits[0] = tq1_digits_x64(p);
     p = times3_x64(times3_x64(p));
     digits[1] = tq1_digits_x64(p);
     const __m128i m1 = _mm_loadu_si128((const __m128i *)(b + 32)), m3 = times3_x16(m1), m9 = times3_x16(m3);
     const __m128i m27 = times3_x16(m9), m81 = times3_x16(m27);
-    uint8_t tail[16]; /* bytes 48-51 times 3^k, k = 0..3 */
-    for (int k = 0, pow = 1; k < 4; k++, pow *= 3)
-        for (int j = 0; j < 4; j++) tail[4 * k + j] = (uint8_t)(b[48 + j] * pow);
+    /* bytes 48-51 times 3^k in dword k, k = 0..3 */
+    const __m128i t1 = _mm_set1_epi32((int)rd32(b + 48)), t3 = times3_x16(t1), t9 = times3_x16(t3);
+    const __m128i tail = _mm_blend_epi32(_mm_blend_epi32(t1, t3, 0x2), _mm_blend_epi32(t9, times3_x16(t9), 0x8), 0xC);
     p = times3_x64(times3_x64(p)); /* low half: bytes 0-31 times 81 */
     p = _mm512_inserti32x4(_mm512_inserti32x4(p, m1, 2), m3, 3);
     digits[2] = tq1_digits_x64(p);
     p = _mm512_inserti32x4(_mm512_castsi128_si512(m9), m27, 1);
-    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m81, 2), _mm_loadu_si128((const __m128i *)tail), 3);
+    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m81, 2), tail, 3);
     digits[3] = tq1_digits_x64(p);
+}
+
+static inline void pairs_tq1_0(const uint8_t *b, pairs_t *s) {
+    __m512i digits[4];
+    codes_tq1_0(b, digits);
     for (int c = 0; c < 4; c++) {
         pair_from_signed(_mm512_sub_epi8(digits[c], _mm512_set1_epi8(1)), s, c);
         s->sc[c] = _mm512_set1_epi16(1);
@@ -252,6 +264,31 @@ static inline __attribute__((always_inline)) void pairs_body(ROWS_ARGS, int byte
                     sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(s.mag[c], x), s.sc[c]);
                 }
                 acc[t] += (y->d * s.d) * (float)_mm512_reduce_add_epi32(sum);
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
+    }
+}
+
+/* The ternary formats, integer mode: S = sum of (code - 1) * x = sum of code * x (codes 0-3, u8 x s8
+ * through vpdpbusd) minus the sum of the 256 x (the 16 bsums), exact in int32 as generic.c's. */
+typedef void (*codes_fn)(const uint8_t *, __m512i *);
+
+static inline __attribute__((always_inline)) void ternary_body(ROWS_ARGS, int bytes, int d_at, codes_fn decode) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T] = {0};
+        for (int64_t b = 0; b < n / 256; b++) {
+            __m512i code[4];
+            decode(row + b * bytes, code);
+            const float d = f16_at(row + b * bytes + d_at);
+            for (int t = 0; t < T; t++) {
+                const q8k_t *y = (const q8k_t *)xs[t] + b;
+                __m512i sum = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                               _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)y->bsums)));
+                for (int c = 0; c < 4; c++)
+                    sum = _mm512_dpbusd_epi32(sum, code[c], _mm512_loadu_si512((const void *)(y->qs + 64 * c)));
+                acc[t] += (y->d * d) * (float)_mm512_reduce_add_epi32(sum);
             }
         }
         for (int t = 0; t < T; t++) ys[t][r] = acc[t];
@@ -288,24 +325,32 @@ static inline __attribute__((always_inline)) void pairs_exact_body(ROWS_ARGS, in
     }
 }
 
+#define PAIRS_EXACT(name, bytes)                                                                       \
+    static void name##_exact(ROWS_ARGS) {                                                              \
+        if (T == 1) pairs_exact_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                 \
+        else pairs_exact_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                        \
+    }
 #define PAIRS_FORMAT(name, bytes)                                                                      \
     static void name##_int(ROWS_ARGS) {                                                                \
         if (T == 1) pairs_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                       \
         else pairs_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                              \
     }                                                                                                  \
-    static void name##_exact(ROWS_ARGS) {                                                              \
-        if (T == 1) pairs_exact_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                 \
-        else pairs_exact_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                        \
-    }
+    PAIRS_EXACT(name, bytes)
+#define TERNARY_FORMAT(name, bytes, d_at)                                                              \
+    static void name##_int(ROWS_ARGS) {                                                                \
+        if (T == 1) ternary_body(w, rb, r0, r1, n, xs, 1, ys, bytes, d_at, codes_##name);               \
+        else ternary_body(w, rb, r0, r1, n, xs, T, ys, bytes, d_at, codes_##name);                      \
+    }                                                                                                  \
+    PAIRS_EXACT(name, bytes)
 PAIRS_FORMAT(iq2_xxs, 66)
 PAIRS_FORMAT(iq2_xs, 74)
 PAIRS_FORMAT(iq2_s, 82)
 PAIRS_FORMAT(iq3_xxs, 98)
 PAIRS_FORMAT(iq3_s, 110)
-PAIRS_FORMAT(tq2_0, 66)
 PAIRS_FORMAT(iq1_s, 50)
 PAIRS_FORMAT(iq1_m, 56)
-PAIRS_FORMAT(tq1_0, 54)
+TERNARY_FORMAT(tq2_0, 66, 64)
+TERNARY_FORMAT(tq1_0, 54, 52)
 
 #define SET(F, name) (FMT[F].integer = name##_int, FMT[F].exact = name##_exact)
 void init_avx512_iq(void) {

@@ -295,6 +295,65 @@ static inline __attribute__((always_inline)) void ternary_body(ROWS_ARGS, int by
     }
 }
 
+/* IQ1_S, integer mode: q = 8 g + delta_k (g in {-1, 0, 1} from the grid, delta_k = +-1 per run k of
+ * 32), so S = sum_k sc_k (8 sum (g + 1) x + (delta_k - 8) sum x): g + 1 as u8 through vpmaddubsw,
+ * 8 sc_k through vpdpwssd, and the runs' activation sums (two bsums each) times sc_k (delta_k - 8).
+ * The same int32 S as generic.c's. */
+typedef struct {
+    __m512i g1[4], sc[4]; /* pair c: g + 1 (bytes); 8 sc_k (int16 lanes, 16 per run) */
+    __m512i coef;         /* int16 lanes 2k, 2k + 1: sc_k (delta_k - 8); lanes 16-31 zero */
+    float d;
+} iq1_int_t;
+
+static inline void iq1_s_int_parts(const uint8_t *b, iq1_int_t *s) {
+    const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 34)); /* run k's uint16 */
+    const __m128i sc = _mm_add_epi16(_mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7)), 1),
+                                     _mm_set1_epi16(1));
+    const __m128i dm8 = _mm_add_epi16(_mm_set1_epi16(-7), _mm_slli_epi16(_mm_srai_epi16(qh, 15), 1)); /* -7 or -9 */
+    const __m128i coef = _mm_mullo_epi16(sc, dm8);
+    s->coef = _mm512_zextsi256_si512(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(coef, coef)), _mm_unpackhi_epi16(coef, coef), 1));
+    const __m512i sc8 = _mm512_castsi128_si512(_mm_slli_epi16(sc, 3));
+    const __m512i half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
+    for (int c = 0; c < 4; c++) s->sc[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(half, _mm512_set1_epi16((short)(2 * c))), sc8);
+    /* group 4k + l's index: qs byte 4k + l, then bits 3l .. 3l + 2 of run k's uint16 */
+    const __m512i qh32 = _mm512_castsi256_si512(_mm256_cvtepu16_epi32(qh));
+    const __m512i shift = _mm512_set_epi32(9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0);
+    const __m512i run = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int h = 0; h < 2; h++) { /* runs 4h .. 4h + 3 */
+        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h)));
+        const __m512i k = _mm512_add_epi32(run, _mm512_set1_epi32(4 * h));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(k, qh32), shift), _mm512_set1_epi32(7));
+        const __m512i idx = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8));
+        const __m512i one = _mm512_set1_epi8(1);
+        s->g1[2 * h] = _mm512_add_epi8(_mm512_i32gather_epi64(_mm512_castsi512_si256(idx), (const void *)IQ1S_GRID, 8), one);
+        s->g1[2 * h + 1] = _mm512_add_epi8(_mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1), (const void *)IQ1S_GRID, 8), one);
+    }
+    s->d = f16_at(b) * 0.125f;
+}
+
+static inline __attribute__((always_inline)) void iq1_s_body(ROWS_ARGS) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T] = {0};
+        for (int64_t b = 0; b < n / 256; b++) {
+            iq1_int_t s;
+            iq1_s_int_parts(row + b * 50, &s);
+            for (int t = 0; t < T; t++) {
+                const q8k_t *y = (const q8k_t *)xs[t] + b;
+                const __m512i bsums = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)y->bsums));
+                __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bsums, s.coef);
+                for (int c = 0; c < 4; c++) {
+                    const __m512i x = _mm512_loadu_si512((const void *)(y->qs + 64 * c));
+                    sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(s.g1[c], x), s.sc[c]);
+                }
+                acc[t] += (y->d * s.d) * (float)_mm512_reduce_add_epi32(sum);
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
+    }
+}
+
 /* Exact mode: each 16 elements' values step * q, step = d * sc, as generic.c's rows_k_exact, then
  * acc += v * x (a multiply, then an add) in its 16 lanes, chunk after chunk, summed by sum16_tree. */
 static inline __attribute__((always_inline)) void pairs_exact_body(ROWS_ARGS, int bytes, pairs_fn decode) {
@@ -347,7 +406,9 @@ PAIRS_FORMAT(iq2_xs, 74)
 PAIRS_FORMAT(iq2_s, 82)
 PAIRS_FORMAT(iq3_xxs, 98)
 PAIRS_FORMAT(iq3_s, 110)
-PAIRS_FORMAT(iq1_s, 50)
+PAIRS_EXACT(iq1_s, 50)
+#define IQ1S_CALL(TT) iq1_s_body(w, rb, r0, r1, n, xs, TT, ys)
+static void iq1_s_int(ROWS_ARGS) { ONE_OR_T(IQ1S_CALL); }
 PAIRS_FORMAT(iq1_m, 56)
 TERNARY_FORMAT(tq2_0, 66, 64)
 TERNARY_FORMAT(tq1_0, 54, 52)

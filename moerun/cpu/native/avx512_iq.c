@@ -80,17 +80,35 @@ static inline void pairs_iq2_xxs(const uint8_t *b, pairs_t *s) {
     s->d = f16_at(b) * 0.125f;
 }
 
+/* 16 odd scales 2s + 1 from 4-bit fields (two per byte at p, low nibble first; one per 16 elements)
+ * -> pair c's int16 lanes: 8i .. 8i + 7 = scale 4c + i. */
+static inline void odd_scales_x16(const uint8_t *p, pairs_t *s) {
+    const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi16(0xF)), hi = _mm_srli_epi16(v, 4);
+    __m256i sc = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(lo, hi)), _mm_unpackhi_epi16(lo, hi), 1);
+    sc = _mm256_add_epi16(_mm256_add_epi16(sc, sc), _mm256_set1_epi16(1));
+    const __m512i which = _mm512_srli_epi16(
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
+                         7, 6, 5, 4, 3, 2, 1, 0),
+        3);
+    for (int c = 0; c < 4; c++)
+        s->sc[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(which, _mm512_set1_epi16((short)(4 * c))),
+                                            _mm512_castsi256_si512(sc));
+}
+
 static inline void pairs_iq2_xs(const uint8_t *b, pairs_t *s) {
+    /* 32 uint16: a 9-bit grid index, then a 7-bit index into ksigns_iq2xs */
+    const __m512i words = _mm512_loadu_si512((const void *)(b + 2));
+    const __m256i signs = with_parity_bit(_mm512_cvtepi16_epi8(_mm512_srli_epi16(words, 9)));
+    const __m128i s01 = _mm256_castsi256_si128(signs), s23 = _mm256_extracti128_si256(signs, 1);
+    s->neg[0] = (__mmask64)_mm_cvtsi128_si64(s01), s->neg[1] = (__mmask64)_mm_extract_epi64(s01, 1);
+    s->neg[2] = (__mmask64)_mm_cvtsi128_si64(s23), s->neg[3] = (__mmask64)_mm_extract_epi64(s23, 1);
+    const __m512i idx = _mm512_and_si512(words, _mm512_set1_epi16(511));
     for (int c = 0; c < 4; c++) {
-        const __m128i words = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)); /* 8 uint16 */
-        const __m512i idx = _mm512_cvtepu16_epi64(_mm_and_si128(words, _mm_set1_epi16(511)));
-        s->mag[c] = _mm512_i64gather_epi64(idx, (const void *)IQ2XS_GRID, 8);
-        uint64_t bits = 0;
-        for (int l = 0; l < 8; l++) bits |= (uint64_t)KSIGNS_IQ2XS[rd16(b + 2 + 16 * c + 2 * l) >> 9] << (8 * l);
-        s->neg[c] = (__mmask64)bits;
-        const uint8_t sa = b[66 + 2 * c], sb = b[67 + 2 * c];
-        s->sc[c] = scales4(2 * (sa & 0xF) + 1, 2 * (sa >> 4) + 1, 2 * (sb & 0xF) + 1, 2 * (sb >> 4) + 1);
+        const __m512i i64 = _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(idx, c));
+        s->mag[c] = _mm512_i64gather_epi64(i64, (const void *)IQ2XS_GRID, 8);
     }
+    odd_scales_x16(b + 66, s);
     s->d = f16_at(b) * 0.125f;
 }
 
@@ -102,9 +120,8 @@ static inline void pairs_iq2_s(const uint8_t *b, pairs_t *s) {
                                             _mm512_set1_epi64(3));
         s->mag[c] = _mm512_i64gather_epi64(_mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)), (const void *)IQ2S_GRID, 8);
         s->neg[c] = (__mmask64)rd64(b + 34 + 8 * c);
-        const uint8_t sa = b[74 + 2 * c], sb = b[75 + 2 * c];
-        s->sc[c] = scales4(2 * (sa & 0xF) + 1, 2 * (sa >> 4) + 1, 2 * (sb & 0xF) + 1, 2 * (sb >> 4) + 1);
     }
+    odd_scales_x16(b + 74, s);
     s->d = f16_at(b) * 0.125f;
 }
 

@@ -317,8 +317,8 @@ static inline __attribute__((always_inline)) void ternary_body(ROWS_ARGS, int by
  * 8 sc_k through vpdpwssd, and the runs' activation sums (two bsums each) times sc_k (delta_k - 8).
  * The same int32 S as generic.c's. */
 typedef struct {
-    __m512i g1[4], sc[4]; /* pair c: g + 1 (bytes); 8 sc_k (int16 lanes, 16 per run) */
-    __m512i coef;         /* int16 lanes 2k, 2k + 1: sc_k (delta_k - 8); lanes 16-31 zero */
+    __m512i g1[4], sc[4]; /* pair c: unsigned bytes times x (here g + 1); int16 scales (8 sc_k), 16 lanes per run */
+    __m512i coef;         /* int16 lanes 0-15: times bsums (here sc_k (delta_k - 8) in 2k, 2k + 1); 16-31 zero */
     float d;
 } iq1_int_t;
 
@@ -349,13 +349,47 @@ static inline void iq1_s_int_parts(const uint8_t *b, iq1_int_t *s) {
     s->d = f16_at(b) * 0.125f;
 }
 
-static inline __attribute__((always_inline)) void iq1_s_body(ROWS_ARGS) {
+/* IQ1_M, integer mode: q + 9 = 8 g + delta + 9 (in 0-18, delta = +-1 per 8 elements) as u8 through
+ * vpmaddubsw, its 16 scales sc_G through vpdpwssd, and -9 sc_G times the bsums. */
+static inline void iq1_m_int_parts(const uint8_t *b, iq1_int_t *s) {
+    const uint64_t words = rd64(b + 48); /* 4 uint16: scales 4k .. 4k + 3 (3 bits each), a nibble of d */
+    const uint16_t d_bits = (uint16_t)(((words >> 12) & 0xF) | ((words >> 24) & 0xF0) | ((words >> 36) & 0xF00) |
+                                       ((words >> 48) & 0xF000));
+    const __m256i w16 = _mm256_permutexvar_epi16(
+        _mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm256_castsi128_si256(_mm_cvtsi64_si128((long long)words)));
+    __m256i sc = _mm256_and_si256(_mm256_srlv_epi16(w16, _mm256_setr_epi16(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9)),
+                                  _mm256_set1_epi16(7));
+    sc = _mm256_add_epi16(_mm256_add_epi16(sc, sc), _mm256_set1_epi16(1));
+    s->coef = _mm512_zextsi256_si512(_mm256_mullo_epi16(sc, _mm256_set1_epi16(-9)));
+    const __m512i which = _mm512_srli_epi16(
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
+                         7, 6, 5, 4, 3, 2, 1, 0),
+        3);
+    for (int c = 0; c < 4; c++)
+        s->sc[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(which, _mm512_set1_epi16((short)(4 * c))), _mm512_castsi256_si512(sc));
+    const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+    for (int c = 0; c < 4; c++) {
+        /* group 8c + l: index qs byte, then bits 4l .. 4l + 2 of the pair's uint32 at 32 + 4c; bit 4l + 3 the delta's sign */
+        const __m512i nib = _mm512_srlv_epi64(_mm512_set1_epi64(rd32(b + 32 + 4 * c)), shifts);
+        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 8 * c)));
+        const __m512i idx = _mm512_or_si512(lo, _mm512_slli_epi64(_mm512_and_si512(nib, _mm512_set1_epi64(7)), 8));
+        const __m512i grid = _mm512_i64gather_epi64(idx, (const void *)IQ1S_GRID, 8);
+        const __mmask8 minus = _mm512_test_epi64_mask(nib, _mm512_set1_epi64(8));
+        const __m512i delta9 = _mm512_mask_blend_epi64(minus, _mm512_set1_epi8(10), _mm512_set1_epi8(8)); /* delta + 9 */
+        s->g1[c] = iq1_values_x8(grid, delta9);
+    }
+    s->d = f16_to_f32(d_bits) * 0.125f;
+}
+
+typedef void (*iq1_parts_fn)(const uint8_t *, iq1_int_t *);
+
+static inline __attribute__((always_inline)) void iq1_body(ROWS_ARGS, int bytes, iq1_parts_fn decode) {
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * rb;
         float acc[MAX_T] = {0};
         for (int64_t b = 0; b < n / 256; b++) {
             iq1_int_t s;
-            iq1_s_int_parts(row + b * 50, &s);
+            decode(row + b * bytes, &s);
             for (int t = 0; t < T; t++) {
                 const q8k_t *y = (const q8k_t *)xs[t] + b;
                 const __m512i bsums = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)y->bsums));
@@ -423,10 +457,14 @@ PAIRS_FORMAT(iq2_xs, 74)
 PAIRS_FORMAT(iq2_s, 82)
 PAIRS_FORMAT(iq3_xxs, 98)
 PAIRS_FORMAT(iq3_s, 110)
-PAIRS_EXACT(iq1_s, 50)
-#define IQ1S_CALL(TT) iq1_s_body(w, rb, r0, r1, n, xs, TT, ys)
-static void iq1_s_int(ROWS_ARGS) { ONE_OR_T(IQ1S_CALL); }
-PAIRS_FORMAT(iq1_m, 56)
+#define IQ1_FORMAT(name, bytes)                                                                        \
+    static void name##_int(ROWS_ARGS) {                                                                \
+        if (T == 1) iq1_body(w, rb, r0, r1, n, xs, 1, ys, bytes, name##_int_parts);                     \
+        else iq1_body(w, rb, r0, r1, n, xs, T, ys, bytes, name##_int_parts);                            \
+    }                                                                                                  \
+    PAIRS_EXACT(name, bytes)
+IQ1_FORMAT(iq1_s, 50)
+IQ1_FORMAT(iq1_m, 56)
 TERNARY_FORMAT(tq2_0, 66, 64)
 TERNARY_FORMAT(tq1_0, 54, 52)
 

@@ -2,10 +2,11 @@
  * as generic.c's (and avx2_iq4.c's). Integer mode: the exact int32 sums computed 64 bytes at a time,
  * the fp32 steps in generic.c's order, one block after another. Exact mode: generic.c's values and
  * its 16 fp32 lanes (below).
- * 32-element blocks: four blocks per step, their weights as unsigned bytes (IQ4_NL's values + 128),
- * u8 x s8 through vpdpbusd, then an in-register reduction to the four blocks' sums, from which the
- * offset times the activation block's sum comes off (q5_0: 16, iq4_nl: 128). The last n / 32 % 4
- * blocks take avx2_iq4.c's path.
+ * 32-element blocks: their weights as unsigned bytes (IQ4_NL's values + 128), u8 x s8 through
+ * vpdpbusd, then an in-register reduction to the blocks' sums, from which the offset times the
+ * activation block's sum comes off (q5_0: 16, iq4_nl: 128). 16 blocks per step, each block's fp32
+ * product in a lane (the per-block operations vectorised, then added in block order); the last
+ * n / 32 % 16 blocks four per step, then avx2_iq4.c's path.
  * IQ4_XS: two sub-blocks per zmm, |w| times x with w's sign (vpmaddubsw), the sub-block scales
  * applied in int32 (vpdpwssd), one reduction per super-block. */
 #include "avx512.h"

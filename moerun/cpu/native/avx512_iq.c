@@ -2,7 +2,8 @@
  * bits as generic.c's (and avx2_iq.c's): per super-block the exact int32 S = sum of sc * dot, then
  * acc += (yd * d) * S in fp32. Two runs of 32 elements per zmm: grid entries gathered (vpgatherqq /
  * vpgatherdd), the sign bits as a mask that negates the activations, u8 x s8 pairs (vpmaddubsw) and
- * the scales in int32 (vpdpwssd); IQ1's and TQ1's signed values as magnitudes and a mask. */
+ * the scales in int32 (vpdpwssd); IQ1's signed values as magnitudes and a mask. The ternary formats'
+ * integer mode: their codes 0-2 (0-3) straight into vpdpbusd, the 256 activations' sum taken off. */
 #include "avx512.h"
 
 #ifdef MOERUN_AVX512
@@ -26,14 +27,40 @@ static inline __m512i scales4(int s0, int s1, int s2, int s3) {
                                                                                  (short)s3, 0, 0, 0, 0)));
 }
 
-/* Eight 7-bit indices into ksigns_iq2xs (four in each of two uint32, at bits 0, 7, 14, 21) -> 64 sign bits. */
-static inline __mmask64 ksigns8(uint32_t a, uint32_t b) {
-    uint64_t bits = 0;
-    for (int l = 0; l < 4; l++) {
-        bits |= (uint64_t)KSIGNS_IQ2XS[(a >> (7 * l)) & 127] << (8 * l);
-        bits |= (uint64_t)KSIGNS_IQ2XS[(b >> (7 * l)) & 127] << (8 * l + 32);
+/* Bit 7 of each byte (each below 128): the parity of its low 7 bits, as ksigns_iq2xs[v] = v | parity(v) << 7. */
+static inline __m256i with_parity_bit(__m256i v) {
+    const __m256i par = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0)); /* parity(i) << 7 */
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_shuffle_epi8(par, _mm256_and_si256(v, m4));
+    const __m256i hi = _mm256_shuffle_epi8(par, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+    return _mm256_or_si256(v, _mm256_xor_si256(lo, hi));
+}
+
+/* IQ2_XXS / IQ3_XXS: the 8 runs' uint32 aux words (run k's in dword lane `stride` * k + `first` of
+ * `aux`) -> the four pairs' sign masks (run 2c's four 7-bit fields at bits 0, 7, 14, 21 through
+ * ksigns_iq2xs -> bytes 0-3 of mask c, run 2c + 1's -> bytes 4-7) and int16 scales 2 (aux >> 28) + 1. */
+static inline void signs_scales_x8(__m512i aux, int stride, int first, pairs_t *s) {
+    const __m512i run = _mm512_add_epi32(
+        _mm512_mullo_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_set1_epi32(stride)),
+        _mm512_set1_epi32(first));
+    const __m512i shift = _mm512_set_epi32(21, 14, 7, 0, 21, 14, 7, 0, 21, 14, 7, 0, 21, 14, 7, 0);
+    const __m512i f7 = _mm512_set1_epi32(127);
+    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(run, aux), shift), f7);
+    const __m512i later = _mm512_add_epi32(run, _mm512_set1_epi32(4 * stride)); /* runs 4-7 */
+    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(later, aux), shift), f7);
+    const __m256i bytes = with_parity_bit(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(lo)), _mm512_cvtepi32_epi8(hi), 1));
+    const __m128i b01 = _mm256_castsi256_si128(bytes), b23 = _mm256_extracti128_si256(bytes, 1);
+    s->neg[0] = (__mmask64)_mm_cvtsi128_si64(b01), s->neg[1] = (__mmask64)_mm_extract_epi64(b01, 1);
+    s->neg[2] = (__mmask64)_mm_cvtsi128_si64(b23), s->neg[3] = (__mmask64)_mm_extract_epi64(b23, 1);
+    /* int16 lane 2 (stride * k + first) holds run k's scale */
+    const __m512i sc = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), _mm512_set1_epi32(1));
+    const __m512i half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16((short)(2 * stride)), 1);
+    for (int c = 0; c < 4; c++) {
+        const __m512i which = _mm512_add_epi16(half, _mm512_set1_epi16((short)(2 * (2 * c * stride + first))));
+        s->sc[c] = _mm512_permutexvar_epi16(which, sc);
     }
-    return (__mmask64)bits;
 }
 
 static inline uint64_t rd64(const uint8_t *p) {
@@ -43,29 +70,45 @@ static inline uint64_t rd64(const uint8_t *p) {
 }
 
 static inline void pairs_iq2_xxs(const uint8_t *b, pairs_t *s) {
+    /* run k: 4 index bytes (dword 2k of the 64 bytes at b + 2), then its uint32 aux (dword 2k + 1) */
+    signs_scales_x8(_mm512_loadu_si512((const void *)(b + 2)), 2, 1, s);
     for (int c = 0; c < 4; c++) {
-        const uint8_t *p = b + 2 + 16 * c; /* run 2c: 4 index bytes, uint32 aux; then run 2c + 1 */
-        const uint32_t a = rd32(p + 4), bb = rd32(p + 12);
-        const __m512i idx = _mm512_cvtepu8_epi64(_mm_cvtsi64_si128((long long)(rd32(p) | (uint64_t)rd32(p + 8) << 32)));
+        const __m128i runs = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)); /* runs 2c, 2c + 1 */
+        const __m512i idx = _mm512_cvtepu8_epi64(_mm_shuffle_epi32(runs, _MM_SHUFFLE(3, 3, 2, 0)));
         s->mag[c] = _mm512_i64gather_epi64(idx, (const void *)IQ2XXS_GRID, 8);
-        s->neg[c] = ksigns8(a, bb);
-        const int la = 2 * (int)(a >> 28) + 1, lb = 2 * (int)(bb >> 28) + 1;
-        s->sc[c] = scales4(la, la, lb, lb);
     }
     s->d = f16_at(b) * 0.125f;
 }
 
+/* 16 odd scales 2s + 1 from 4-bit fields (two per byte at p, low nibble first; one per 16 elements)
+ * -> pair c's int16 lanes: 8i .. 8i + 7 = scale 4c + i. */
+static inline void odd_scales_x16(const uint8_t *p, pairs_t *s) {
+    const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi16(0xF)), hi = _mm_srli_epi16(v, 4);
+    __m256i sc = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(lo, hi)), _mm_unpackhi_epi16(lo, hi), 1);
+    sc = _mm256_add_epi16(_mm256_add_epi16(sc, sc), _mm256_set1_epi16(1));
+    const __m512i which = _mm512_srli_epi16(
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
+                         7, 6, 5, 4, 3, 2, 1, 0),
+        3);
+    for (int c = 0; c < 4; c++)
+        s->sc[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(which, _mm512_set1_epi16((short)(4 * c))),
+                                            _mm512_castsi256_si512(sc));
+}
+
 static inline void pairs_iq2_xs(const uint8_t *b, pairs_t *s) {
+    /* 32 uint16: a 9-bit grid index, then a 7-bit index into ksigns_iq2xs */
+    const __m512i words = _mm512_loadu_si512((const void *)(b + 2));
+    const __m256i signs = with_parity_bit(_mm512_cvtepi16_epi8(_mm512_srli_epi16(words, 9)));
+    const __m128i s01 = _mm256_castsi256_si128(signs), s23 = _mm256_extracti128_si256(signs, 1);
+    s->neg[0] = (__mmask64)_mm_cvtsi128_si64(s01), s->neg[1] = (__mmask64)_mm_extract_epi64(s01, 1);
+    s->neg[2] = (__mmask64)_mm_cvtsi128_si64(s23), s->neg[3] = (__mmask64)_mm_extract_epi64(s23, 1);
+    const __m512i idx = _mm512_and_si512(words, _mm512_set1_epi16(511));
     for (int c = 0; c < 4; c++) {
-        const __m128i words = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)); /* 8 uint16 */
-        const __m512i idx = _mm512_cvtepu16_epi64(_mm_and_si128(words, _mm_set1_epi16(511)));
-        s->mag[c] = _mm512_i64gather_epi64(idx, (const void *)IQ2XS_GRID, 8);
-        uint64_t bits = 0;
-        for (int l = 0; l < 8; l++) bits |= (uint64_t)KSIGNS_IQ2XS[rd16(b + 2 + 16 * c + 2 * l) >> 9] << (8 * l);
-        s->neg[c] = (__mmask64)bits;
-        const uint8_t sa = b[66 + 2 * c], sb = b[67 + 2 * c];
-        s->sc[c] = scales4(2 * (sa & 0xF) + 1, 2 * (sa >> 4) + 1, 2 * (sb & 0xF) + 1, 2 * (sb >> 4) + 1);
+        const __m512i i64 = _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(idx, c));
+        s->mag[c] = _mm512_i64gather_epi64(i64, (const void *)IQ2XS_GRID, 8);
     }
+    odd_scales_x16(b + 66, s);
     s->d = f16_at(b) * 0.125f;
 }
 
@@ -77,20 +120,16 @@ static inline void pairs_iq2_s(const uint8_t *b, pairs_t *s) {
                                             _mm512_set1_epi64(3));
         s->mag[c] = _mm512_i64gather_epi64(_mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)), (const void *)IQ2S_GRID, 8);
         s->neg[c] = (__mmask64)rd64(b + 34 + 8 * c);
-        const uint8_t sa = b[74 + 2 * c], sb = b[75 + 2 * c];
-        s->sc[c] = scales4(2 * (sa & 0xF) + 1, 2 * (sa >> 4) + 1, 2 * (sb & 0xF) + 1, 2 * (sb >> 4) + 1);
     }
+    odd_scales_x16(b + 74, s);
     s->d = f16_at(b) * 0.125f;
 }
 
 static inline void pairs_iq3_xxs(const uint8_t *b, pairs_t *s) {
+    signs_scales_x8(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 66))), 1, 0, s); /* run k's aux */
     for (int c = 0; c < 4; c++) {
         const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
         s->mag[c] = _mm512_i32gather_epi32(idx, (const void *)IQ3XXS_GRID, 4);
-        const uint32_t a = rd32(b + 66 + 8 * c), bb = rd32(b + 70 + 8 * c);
-        s->neg[c] = ksigns8(a, bb);
-        const int la = 2 * (int)(a >> 28) + 1, lb = 2 * (int)(bb >> 28) + 1;
-        s->sc[c] = scales4(la, la, lb, lb);
     }
     s->d = f16_at(b) * 0.25f;
 }
@@ -108,15 +147,22 @@ static inline void pairs_iq3_s(const uint8_t *b, pairs_t *s) {
 }
 
 /* TQ2_0: pair c = runs 2c, 2c + 1 = the fields at shifts 4(c % 2) and 4(c % 2) + 2 of bytes
- * 32(c / 2) .. + 31; value code - 1 (code 3, which ggml's quantiser never writes, is 2). */
-static inline void pairs_tq2_0(const uint8_t *b, pairs_t *s) {
+ * 32(c / 2) .. + 31, as codes 0-3; value code - 1 (code 3, which ggml's quantiser never writes, is 2). */
+static inline void codes_tq2_0(const uint8_t *b, __m512i code[4]) {
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); /* 0 | 2 */
     for (int c = 0; c < 4; c++) {
         const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 32 * (c / 2))));
-        const __m512i code = _mm512_and_si512(
+        code[c] = _mm512_and_si512(
             _mm512_srlv_epi16(v, _mm512_add_epi16(shift, _mm512_set1_epi16((short)(4 * (c % 2))))), _mm512_set1_epi8(3));
-        s->mag[c] = _mm512_abs_epi8(_mm512_sub_epi8(code, _mm512_set1_epi8(1)));
-        s->neg[c] = _mm512_cmpeq_epi8_mask(code, _mm512_setzero_si512());
+    }
+}
+
+static inline void pairs_tq2_0(const uint8_t *b, pairs_t *s) {
+    __m512i code[4];
+    codes_tq2_0(b, code);
+    for (int c = 0; c < 4; c++) {
+        s->mag[c] = _mm512_abs_epi8(_mm512_sub_epi8(code[c], _mm512_set1_epi8(1)));
+        s->neg[c] = _mm512_cmpeq_epi8_mask(code[c], _mm512_setzero_si512());
         s->sc[c] = _mm512_set1_epi16(1);
     }
     s->d = f16_at(b + 64);
@@ -188,24 +234,28 @@ static inline __m128i times3_x16(__m128i p) { return _mm_add_epi8(p, _mm_add_epi
 /* TQ1_0 (iq_unpack.h's layout): pairs (0, 1) and (2, 3) are digits (0, 1), (2, 3) of bytes 0-31;
  * pair (4, 5) is digit 4 of bytes 0-31, then digits 0, 1 of bytes 32-47; pair (6, 7) digits 2, 3, 4
  * of bytes 32-47, then digits 0-3 of bytes 48-51. Value digit - 1. */
-static inline void pairs_tq1_0(const uint8_t *b, pairs_t *s) {
+static inline void codes_tq1_0(const uint8_t *b, __m512i digits[4]) {
     const __m256i v = _mm256_loadu_si256((const __m256i *)b);
     __m512i p = _mm512_inserti64x4(_mm512_castsi256_si512(v), times3_x32(v), 1);
-    __m512i digits[4];
     digits[0] = tq1_digits_x64(p);
     p = times3_x64(times3_x64(p));
     digits[1] = tq1_digits_x64(p);
     const __m128i m1 = _mm_loadu_si128((const __m128i *)(b + 32)), m3 = times3_x16(m1), m9 = times3_x16(m3);
     const __m128i m27 = times3_x16(m9), m81 = times3_x16(m27);
-    uint8_t tail[16]; /* bytes 48-51 times 3^k, k = 0..3 */
-    for (int k = 0, pow = 1; k < 4; k++, pow *= 3)
-        for (int j = 0; j < 4; j++) tail[4 * k + j] = (uint8_t)(b[48 + j] * pow);
+    /* bytes 48-51 times 3^k in dword k, k = 0..3 */
+    const __m128i t1 = _mm_set1_epi32((int)rd32(b + 48)), t3 = times3_x16(t1), t9 = times3_x16(t3);
+    const __m128i tail = _mm_blend_epi32(_mm_blend_epi32(t1, t3, 0x2), _mm_blend_epi32(t9, times3_x16(t9), 0x8), 0xC);
     p = times3_x64(times3_x64(p)); /* low half: bytes 0-31 times 81 */
     p = _mm512_inserti32x4(_mm512_inserti32x4(p, m1, 2), m3, 3);
     digits[2] = tq1_digits_x64(p);
     p = _mm512_inserti32x4(_mm512_castsi128_si512(m9), m27, 1);
-    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m81, 2), _mm_loadu_si128((const __m128i *)tail), 3);
+    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m81, 2), tail, 3);
     digits[3] = tq1_digits_x64(p);
+}
+
+static inline void pairs_tq1_0(const uint8_t *b, pairs_t *s) {
+    __m512i digits[4];
+    codes_tq1_0(b, digits);
     for (int c = 0; c < 4; c++) {
         pair_from_signed(_mm512_sub_epi8(digits[c], _mm512_set1_epi8(1)), s, c);
         s->sc[c] = _mm512_set1_epi16(1);
@@ -229,6 +279,124 @@ static inline __attribute__((always_inline)) void pairs_body(ROWS_ARGS, int byte
                     __m512i x = _mm512_loadu_si512((const void *)(y->qs + 64 * c));
                     x = _mm512_mask_sub_epi8(x, s.neg[c], _mm512_setzero_si512(), x);
                     sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(s.mag[c], x), s.sc[c]);
+                }
+                acc[t] += (y->d * s.d) * (float)_mm512_reduce_add_epi32(sum);
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
+    }
+}
+
+/* The ternary formats, integer mode: S = sum of (code - 1) * x = sum of code * x (codes 0-3, u8 x s8
+ * through vpdpbusd) minus the sum of the 256 x (the 16 bsums), exact in int32 as generic.c's. */
+typedef void (*codes_fn)(const uint8_t *, __m512i *);
+
+static inline __attribute__((always_inline)) void ternary_body(ROWS_ARGS, int bytes, int d_at, codes_fn decode) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T] = {0};
+        for (int64_t b = 0; b < n / 256; b++) {
+            __m512i code[4];
+            decode(row + b * bytes, code);
+            const float d = f16_at(row + b * bytes + d_at);
+            for (int t = 0; t < T; t++) {
+                const q8k_t *y = (const q8k_t *)xs[t] + b;
+                __m512i sum = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                               _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)y->bsums)));
+                for (int c = 0; c < 4; c++)
+                    sum = _mm512_dpbusd_epi32(sum, code[c], _mm512_loadu_si512((const void *)(y->qs + 64 * c)));
+                acc[t] += (y->d * d) * (float)_mm512_reduce_add_epi32(sum);
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
+    }
+}
+
+/* IQ1_S, integer mode: q = 8 g + delta_k (g in {-1, 0, 1} from the grid, delta_k = +-1 per run k of
+ * 32), so S = sum_k sc_k (8 sum (g + 1) x + (delta_k - 8) sum x): g + 1 as u8 through vpmaddubsw,
+ * 8 sc_k through vpdpwssd, and the runs' activation sums (two bsums each) times sc_k (delta_k - 8).
+ * The same int32 S as generic.c's. */
+typedef struct {
+    __m512i g1[4], sc[4]; /* pair c: unsigned bytes times x (here g + 1); int16 scales (8 sc_k), 16 lanes per run */
+    __m512i coef;         /* int16 lanes 0-15: times bsums (here sc_k (delta_k - 8) in 2k, 2k + 1); 16-31 zero */
+    float d;
+} iq1_int_t;
+
+static inline void iq1_s_int_parts(const uint8_t *b, iq1_int_t *s) {
+    const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 34)); /* run k's uint16 */
+    const __m128i sc = _mm_add_epi16(_mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7)), 1),
+                                     _mm_set1_epi16(1));
+    const __m128i dm8 = _mm_add_epi16(_mm_set1_epi16(-7), _mm_slli_epi16(_mm_srai_epi16(qh, 15), 1)); /* -7 or -9 */
+    const __m128i coef = _mm_mullo_epi16(sc, dm8);
+    s->coef = _mm512_zextsi256_si512(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(coef, coef)), _mm_unpackhi_epi16(coef, coef), 1));
+    const __m512i sc8 = _mm512_castsi128_si512(_mm_slli_epi16(sc, 3));
+    const __m512i half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
+    for (int c = 0; c < 4; c++) s->sc[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(half, _mm512_set1_epi16((short)(2 * c))), sc8);
+    /* group 4k + l's index: qs byte 4k + l, then bits 3l .. 3l + 2 of run k's uint16 */
+    const __m512i qh32 = _mm512_castsi256_si512(_mm256_cvtepu16_epi32(qh));
+    const __m512i shift = _mm512_set_epi32(9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0);
+    const __m512i run = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int h = 0; h < 2; h++) { /* runs 4h .. 4h + 3 */
+        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h)));
+        const __m512i k = _mm512_add_epi32(run, _mm512_set1_epi32(4 * h));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(k, qh32), shift), _mm512_set1_epi32(7));
+        const __m512i idx = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8));
+        const __m512i one = _mm512_set1_epi8(1);
+        s->g1[2 * h] = _mm512_add_epi8(_mm512_i32gather_epi64(_mm512_castsi512_si256(idx), (const void *)IQ1S_GRID, 8), one);
+        s->g1[2 * h + 1] = _mm512_add_epi8(_mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1), (const void *)IQ1S_GRID, 8), one);
+    }
+    s->d = f16_at(b) * 0.125f;
+}
+
+/* IQ1_M, integer mode: q + 9 = 8 g + delta + 9 (in 0-18, delta = +-1 per 8 elements) as u8 through
+ * vpmaddubsw, its 16 scales sc_G through vpdpwssd, and -9 sc_G times the bsums. */
+static inline void iq1_m_int_parts(const uint8_t *b, iq1_int_t *s) {
+    const uint64_t words = rd64(b + 48); /* 4 uint16: scales 4k .. 4k + 3 (3 bits each), a nibble of d */
+    const uint16_t d_bits = (uint16_t)(((words >> 12) & 0xF) | ((words >> 24) & 0xF0) | ((words >> 36) & 0xF00) |
+                                       ((words >> 48) & 0xF000));
+    const __m256i w16 = _mm256_permutexvar_epi16(
+        _mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm256_castsi128_si256(_mm_cvtsi64_si128((long long)words)));
+    __m256i sc = _mm256_and_si256(_mm256_srlv_epi16(w16, _mm256_setr_epi16(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9)),
+                                  _mm256_set1_epi16(7));
+    sc = _mm256_add_epi16(_mm256_add_epi16(sc, sc), _mm256_set1_epi16(1));
+    s->coef = _mm512_zextsi256_si512(_mm256_mullo_epi16(sc, _mm256_set1_epi16(-9)));
+    const __m512i which = _mm512_srli_epi16(
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
+                         7, 6, 5, 4, 3, 2, 1, 0),
+        3);
+    for (int c = 0; c < 4; c++)
+        s->sc[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(which, _mm512_set1_epi16((short)(4 * c))), _mm512_castsi256_si512(sc));
+    const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+    for (int c = 0; c < 4; c++) {
+        /* group 8c + l: index qs byte, then bits 4l .. 4l + 2 of the pair's uint32 at 32 + 4c; bit 4l + 3 the delta's sign */
+        const __m512i nib = _mm512_srlv_epi64(_mm512_set1_epi64(rd32(b + 32 + 4 * c)), shifts);
+        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 8 * c)));
+        const __m512i idx = _mm512_or_si512(lo, _mm512_slli_epi64(_mm512_and_si512(nib, _mm512_set1_epi64(7)), 8));
+        const __m512i grid = _mm512_i64gather_epi64(idx, (const void *)IQ1S_GRID, 8);
+        const __mmask8 minus = _mm512_test_epi64_mask(nib, _mm512_set1_epi64(8));
+        const __m512i delta9 = _mm512_mask_blend_epi64(minus, _mm512_set1_epi8(10), _mm512_set1_epi8(8)); /* delta + 9 */
+        s->g1[c] = iq1_values_x8(grid, delta9);
+    }
+    s->d = f16_to_f32(d_bits) * 0.125f;
+}
+
+typedef void (*iq1_parts_fn)(const uint8_t *, iq1_int_t *);
+
+static inline __attribute__((always_inline)) void iq1_body(ROWS_ARGS, int bytes, iq1_parts_fn decode) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T] = {0};
+        for (int64_t b = 0; b < n / 256; b++) {
+            iq1_int_t s;
+            decode(row + b * bytes, &s);
+            for (int t = 0; t < T; t++) {
+                const q8k_t *y = (const q8k_t *)xs[t] + b;
+                const __m512i bsums = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)y->bsums));
+                __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bsums, s.coef);
+                for (int c = 0; c < 4; c++) {
+                    const __m512i x = _mm512_loadu_si512((const void *)(y->qs + 64 * c));
+                    sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(s.g1[c], x), s.sc[c]);
                 }
                 acc[t] += (y->d * s.d) * (float)_mm512_reduce_add_epi32(sum);
             }
@@ -267,24 +435,38 @@ static inline __attribute__((always_inline)) void pairs_exact_body(ROWS_ARGS, in
     }
 }
 
+#define PAIRS_EXACT(name, bytes)                                                                       \
+    static void name##_exact(ROWS_ARGS) {                                                              \
+        if (T == 1) pairs_exact_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                 \
+        else pairs_exact_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                        \
+    }
 #define PAIRS_FORMAT(name, bytes)                                                                      \
     static void name##_int(ROWS_ARGS) {                                                                \
         if (T == 1) pairs_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                       \
         else pairs_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                              \
     }                                                                                                  \
-    static void name##_exact(ROWS_ARGS) {                                                              \
-        if (T == 1) pairs_exact_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                 \
-        else pairs_exact_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                        \
-    }
+    PAIRS_EXACT(name, bytes)
+#define TERNARY_FORMAT(name, bytes, d_at)                                                              \
+    static void name##_int(ROWS_ARGS) {                                                                \
+        if (T == 1) ternary_body(w, rb, r0, r1, n, xs, 1, ys, bytes, d_at, codes_##name);               \
+        else ternary_body(w, rb, r0, r1, n, xs, T, ys, bytes, d_at, codes_##name);                      \
+    }                                                                                                  \
+    PAIRS_EXACT(name, bytes)
 PAIRS_FORMAT(iq2_xxs, 66)
 PAIRS_FORMAT(iq2_xs, 74)
 PAIRS_FORMAT(iq2_s, 82)
 PAIRS_FORMAT(iq3_xxs, 98)
 PAIRS_FORMAT(iq3_s, 110)
-PAIRS_FORMAT(tq2_0, 66)
-PAIRS_FORMAT(iq1_s, 50)
-PAIRS_FORMAT(iq1_m, 56)
-PAIRS_FORMAT(tq1_0, 54)
+#define IQ1_FORMAT(name, bytes)                                                                        \
+    static void name##_int(ROWS_ARGS) {                                                                \
+        if (T == 1) iq1_body(w, rb, r0, r1, n, xs, 1, ys, bytes, name##_int_parts);                     \
+        else iq1_body(w, rb, r0, r1, n, xs, T, ys, bytes, name##_int_parts);                            \
+    }                                                                                                  \
+    PAIRS_EXACT(name, bytes)
+IQ1_FORMAT(iq1_s, 50)
+IQ1_FORMAT(iq1_m, 56)
+TERNARY_FORMAT(tq2_0, 66, 64)
+TERNARY_FORMAT(tq1_0, 54, 52)
 
 #define SET(F, name) (FMT[F].integer = name##_int, FMT[F].exact = name##_exact)
 void init_avx512_iq(void) {

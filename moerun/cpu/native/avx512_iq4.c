@@ -2,10 +2,11 @@
  * as generic.c's (and avx2_iq4.c's). Integer mode: the exact int32 sums computed 64 bytes at a time,
  * the fp32 steps in generic.c's order, one block after another. Exact mode: generic.c's values and
  * its 16 fp32 lanes (below).
- * 32-element blocks: four blocks per step, their weights as unsigned bytes (IQ4_NL's values + 128),
- * u8 x s8 through vpdpbusd, then an in-register reduction to the four blocks' sums, from which the
- * offset times the activation block's sum comes off (q5_0: 16, iq4_nl: 128). The last n / 32 % 4
- * blocks take avx2_iq4.c's path.
+ * 32-element blocks: their weights as unsigned bytes (IQ4_NL's values + 128), u8 x s8 through
+ * vpdpbusd, then an in-register reduction to the blocks' sums, from which the offset times the
+ * activation block's sum comes off (q5_0: 16, iq4_nl: 128). 16 blocks per step, each block's fp32
+ * product in a lane (the per-block operations vectorised, then added in block order); the last
+ * n / 32 % 16 blocks four per step, then avx2_iq4.c's path.
  * IQ4_XS: two sub-blocks per zmm, |w| times x with w's sign (vpmaddubsw), the sub-block scales
  * applied in int32 (vpdpwssd), one reduction per super-block. */
 #include "avx512.h"
@@ -51,56 +52,143 @@ static inline void sums_x4(__m512i p01, __m512i p23, int32_t sums[4]) {
     sums[0] = lanes[0], sums[1] = lanes[8], sums[2] = lanes[1], sums[3] = lanes[9];
 }
 
-static inline __attribute__((always_inline)) void b32_body(ROWS_ARGS, int kind) {
+/* Eight vpdpbusd results (p[j]: blocks 2j, 2j + 1 in lanes 0-7, 8-15) -> the 16 blocks' sums, block
+ * i in lane i: pairs of vectors added in a transpose tree. */
+static inline __m512i sums_x16(const __m512i p[8]) {
+    __m512i a[4], c[2];
+    for (int j = 0; j < 4; j++)
+        a[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * j], p[2 * j + 1]), _mm512_unpackhi_epi32(p[2 * j], p[2 * j + 1]));
+    for (int j = 0; j < 2; j++) /* per 128 bits, dword k: that part of p[4j + k] */
+        c[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_epi64(a[2 * j], a[2 * j + 1]));
+    const __m512i t = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lanes: blocks 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15 */
+    return _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0), t);
+}
+
+/* 16 blocks at a time: the weights of four 4-block steps, the dot products through sums_x16, and
+ * each block's fp32 product in a lane of prod[t] (the same operations as generic.c's, lane by lane),
+ * which the caller adds to the accumulator block after block. */
+static inline __attribute__((always_inline)) void b32_x16(const uint8_t *blk, const void *const *xs, int T,
+                                                          int64_t b, int kind, __m512 *prod) {
+    const int bytes = b32_bytes(kind), has_min = kind == F_Q4_1 || kind == F_Q5_1;
+    const int at = kind == F_Q4_1 ? 4 : kind == F_Q5_0 ? 6 : kind == F_Q5_1 ? 8 : 2;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i u[8];
+    for (int g = 0; g < 4; g++) {
+        const uint8_t *q = blk + 4 * g * bytes;
+        nibbles_x4(q, bytes, at, kind == F_IQ4_NL ? IQ4NL_UNSIGNED : NULL, u + 2 * g);
+        if (kind == F_Q5_0 || kind == F_Q5_1) {
+            const int qh = kind == F_Q5_0 ? 2 : 4;
+            u[2 * g] = _mm512_or_si512(u[2 * g], fifth_bits_x2(q + qh, bytes));
+            u[2 * g + 1] = _mm512_or_si512(u[2 * g + 1], fifth_bits_x2(q + 2 * bytes + qh, bytes));
+        }
+    }
+    /* each block's first 4 bytes: d, then m (q4_1, q5_1) */
+    const __m512i dm = _mm512_i32gather_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(bytes)), (const void *)blk, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+    const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+    const __m512i ystep = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)sizeof(q8a_t)));
+    for (int t = 0; t < T; t++) {
+        const q8a_t *y = (const q8a_t *)xs[t] + b;
+        __m512i p[8];
+        for (int j = 0; j < 8; j++) {
+            const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[2 * j].qs)),
+                                                 _mm256_loadu_si256((const __m256i *)y[2 * j + 1].qs), 1);
+            p[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], x);
+        }
+        __m512i dot = sums_x16(p);
+        const __m512 yd = _mm512_i32gather_ps(ystep, (const void *)&y->d, 1);
+        const __m512i ysum = _mm512_i32gather_epi32(ystep, (const void *)&y->sum, 1);
+        if (kind == F_Q5_0) dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(ysum, 4));
+        if (kind == F_IQ4_NL) dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(ysum, 7));
+        prod[t] = _mm512_mul_ps(_mm512_mul_ps(d, yd), _mm512_cvtepi32_ps(dot));
+        if (has_min) prod[t] = _mm512_add_ps(prod[t], _mm512_mul_ps(_mm512_mul_ps(m, yd), _mm512_cvtepi32_ps(ysum)));
+    }
+}
+
+/* Blocks b .. nb - 1 of a row, added to acc: 4 blocks a step, then avx2_iq4.c's step. */
+static inline __attribute__((always_inline)) void b32_rest(const uint8_t *row, const void *const *xs, int T,
+                                                           int64_t b, int64_t nb, int kind, float *acc) {
     const int bytes = b32_bytes(kind), has_min = kind == F_Q4_1 || kind == F_Q5_1;
     const int offset = kind == F_Q5_0 ? 16 : kind == F_IQ4_NL ? 128 : 0;
     const int at = kind == F_Q4_1 ? 4 : kind == F_Q5_0 ? 6 : kind == F_Q5_1 ? 8 : 2;
-    const int64_t nb = n / 32, nb4 = nb / 4 * 4;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * rb;
-        float acc[MAX_T] = {0};
-        for (int64_t b = 0; b < nb4; b += 4) {
-            const uint8_t *blk = row + b * bytes;
-            __m512i u[2];
-            nibbles_x4(blk, bytes, at, kind == F_IQ4_NL ? IQ4NL_UNSIGNED : NULL, u);
-            if (kind == F_Q5_0 || kind == F_Q5_1) {
-                const int qh = kind == F_Q5_0 ? 2 : 4;
-                u[0] = _mm512_or_si512(u[0], fifth_bits_x2(blk + qh, bytes));
-                u[1] = _mm512_or_si512(u[1], fifth_bits_x2(blk + 2 * bytes + qh, bytes));
-            }
-            float d[4], m[4] = {0};
+    const int64_t nb4 = nb / 4 * 4;
+    for (; b < nb4; b += 4) {
+        const uint8_t *blk = row + b * bytes;
+        __m512i u[2];
+        nibbles_x4(blk, bytes, at, kind == F_IQ4_NL ? IQ4NL_UNSIGNED : NULL, u);
+        if (kind == F_Q5_0 || kind == F_Q5_1) {
+            const int qh = kind == F_Q5_0 ? 2 : 4;
+            u[0] = _mm512_or_si512(u[0], fifth_bits_x2(blk + qh, bytes));
+            u[1] = _mm512_or_si512(u[1], fifth_bits_x2(blk + 2 * bytes + qh, bytes));
+        }
+        float d[4], m[4] = {0};
+        for (int i = 0; i < 4; i++) {
+            d[i] = f16_at(blk + i * bytes);
+            if (has_min) m[i] = f16_at(blk + i * bytes + 2);
+        }
+        for (int t = 0; t < T; t++) {
+            const q8a_t *y = (const q8a_t *)xs[t] + b;
+            __m512i x[2];
+            for (int h = 0; h < 2; h++)
+                x[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[2 * h].qs)),
+                                          _mm256_loadu_si256((const __m256i *)y[2 * h + 1].qs), 1);
+            int32_t dot[4];
+            sums_x4(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], x[0]),
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[1], x[1]), dot);
             for (int i = 0; i < 4; i++) {
-                d[i] = f16_at(blk + i * bytes);
-                if (has_min) m[i] = f16_at(blk + i * bytes + 2);
+                const float p = (d[i] * y[i].d) * (float)(dot[i] - offset * y[i].sum);
+                if (has_min) acc[t] += p + (m[i] * y[i].d) * (float)y[i].sum;
+                else acc[t] += p;
+            }
+        }
+    }
+    for (; b < nb; b++) { /* avx2_iq4.c's step */
+        float d, m = 0;
+        const __m256i wv = b32_codes(row + b * bytes, kind, &d, &m);
+        for (int t = 0; t < T; t++) {
+            const q8a_t *y = (const q8a_t *)xs[t] + b;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)y->qs);
+            const int32_t dot = hsum_i32(dot32(wv, x, kind == F_IQ4_NL)) - (kind == F_Q5_0 ? 16 : 0) * y->sum;
+            if (has_min) acc[t] += (d * y->d) * (float)dot + (m * y->d) * (float)y->sum;
+            else acc[t] += (d * y->d) * (float)dot;
+        }
+    }
+}
+
+/* Decode (T == 1) takes two rows at a time: the fp32 sums of the two rows are independent chains, one
+ * add per block each, which then overlap. */
+static inline __attribute__((always_inline)) void b32_body(ROWS_ARGS, int kind) {
+    const int bytes = b32_bytes(kind);
+    const int64_t nb = n / 32;
+    for (int64_t r = r0; r < r1; r += T == 1 ? 2 : 1) {
+        const int two = T == 1 && r + 1 < r1;
+        const uint8_t *row = w + r * rb, *row2 = row + rb;
+        float acc[MAX_T] = {0}, acc2 = 0;
+        int64_t b = 0;
+        for (; b + 16 <= nb; b += 16) {
+            __m512 prod[MAX_T], prod2;
+            float pv[16], pv2[16];
+            b32_x16(row + b * bytes, xs, T, b, kind, prod);
+            if (two) {
+                b32_x16(row2 + b * bytes, xs, 1, b, kind, &prod2);
+                _mm512_storeu_ps(pv2, prod2);
             }
             for (int t = 0; t < T; t++) {
-                const q8a_t *y = (const q8a_t *)xs[t] + b;
-                __m512i x[2];
-                for (int h = 0; h < 2; h++)
-                    x[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[2 * h].qs)),
-                                              _mm256_loadu_si256((const __m256i *)y[2 * h + 1].qs), 1);
-                int32_t dot[4];
-                sums_x4(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], x[0]),
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[1], x[1]), dot);
-                for (int i = 0; i < 4; i++) {
-                    const float p = (d[i] * y[i].d) * (float)(dot[i] - offset * y[i].sum);
-                    if (has_min) acc[t] += p + (m[i] * y[i].d) * (float)y[i].sum;
-                    else acc[t] += p;
+                _mm512_storeu_ps(pv, prod[t]);
+                for (int i = 0; i < 16; i++) {
+                    acc[t] += pv[i];
+                    if (two) acc2 += pv2[i];
                 }
             }
         }
-        for (int64_t b = nb4; b < nb; b++) { /* avx2_iq4.c's step */
-            float d, m = 0;
-            const __m256i wv = b32_codes(row + b * bytes, kind, &d, &m);
-            for (int t = 0; t < T; t++) {
-                const q8a_t *y = (const q8a_t *)xs[t] + b;
-                const __m256i x = _mm256_loadu_si256((const __m256i *)y->qs);
-                const int32_t dot = hsum_i32(dot32(wv, x, kind == F_IQ4_NL)) - (kind == F_Q5_0 ? 16 : 0) * y->sum;
-                if (has_min) acc[t] += (d * y->d) * (float)dot + (m * y->d) * (float)y->sum;
-                else acc[t] += (d * y->d) * (float)dot;
-            }
-        }
+        b32_rest(row, xs, T, b, nb, kind, acc);
         for (int t = 0; t < T; t++) ys[t][r] = acc[t];
+        if (two) {
+            b32_rest(row2, xs, 1, b, nb, kind, &acc2);
+            ys[0][r + 1] = acc2;
+        }
     }
 }
 

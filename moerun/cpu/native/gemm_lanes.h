@@ -1,6 +1,6 @@
 /* What the AVX-512 prefill GEMMs of q4_1, q5_0, q5_1, iq4_nl (gemm_lanes_b32_avx512.c: 32-element
- * blocks x q8_0 activations), iq4_xs, iq3_s, iq2_xxs, iq1_s and tq2_0 (gemm_lanes_k_avx512.c: x
- * q8_K) share: each zmm lane holds one of 16 rows.
+ * blocks x q8_0 activations), iq4_xs, iq3_s, iq2_xxs, iq1_s, tq2_0 and tq1_0
+ * (gemm_lanes_k_avx512.c: x q8_K) share: each zmm lane holds one of 16 rows.
  *
  * The integer matvec of these formats (avx512_iq4.c, avx512_iq.c, as generic.c) applies the scales
  * on a scalar fp32 chain per output: the 32-element blocks one at a time, acc += (d * yd) *

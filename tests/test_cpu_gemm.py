@@ -54,7 +54,21 @@ def test_gemm_matches_exact_integer_sums(fmt_name):
 
 
 @pytest.mark.parametrize(
-    "fmt_name", ["q4_k", "q6_k", "q8_0", "mxfp4", "q5_0", "iq4_nl", "iq4_xs", "iq3_s", "iq2_xxs"]
+    "fmt_name",
+    [
+        "q4_k",
+        "q6_k",
+        "q8_0",
+        "mxfp4",
+        "q5_0",
+        "iq4_nl",
+        "iq4_xs",
+        "iq3_s",
+        "iq2_xxs",
+        "iq1_s",
+        "tq2_0",
+        "tq1_0",
+    ],
 )
 def test_gemm_bitwise_over_threads_and_alignment(fmt_name):
     if fmt_name not in GEMM_FORMATS:
@@ -89,6 +103,9 @@ def test_gemm_bitwise_over_threads_and_alignment(fmt_name):
         ("iq4_xs", 300, 2048),
         ("iq3_s", 300, 2048),
         ("iq2_xxs", 300, 2048),
+        ("iq1_s", 300, 2048),
+        ("tq2_0", 300, 2048),
+        ("tq1_0", 300, 2048),
     ],
 )
 def test_gemm_every_token_remainder_and_a_long_prompt(fmt_name, T, n):

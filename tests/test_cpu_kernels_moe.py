@@ -79,7 +79,15 @@ def test_integer_moe_decode_matches_integer_reference(variant, gu_fmt, down_fmt,
 
 @needs_native
 @pytest.mark.parametrize(
-    ("gu_fmt", "down_fmt"), [("iq4_xs", "q5_0"), ("q4_1", "iq4_nl"), ("iq3_s", "q5_1"), ("iq2_xxs", "iq4_xs")]
+    ("gu_fmt", "down_fmt"),
+    [
+        ("iq4_xs", "q5_0"),
+        ("q4_1", "iq4_nl"),
+        ("iq3_s", "q5_1"),
+        ("iq2_xxs", "iq4_xs"),
+        ("iq1_s", "tq2_0"),
+        ("tq1_0", "iq1_s"),
+    ],
 )
 def test_integer_moe_decode_gemm_experts_equal_row_kernels_bitwise(gu_fmt, down_fmt):
     # 24 tokens, 3 of 5 experts each: every expert gets more tokens than its formats' GEMM threshold

@@ -34,6 +34,6 @@ void init_gemm_kq_avx512(void); /* q4_k, q5_k */
 void init_gemm_q6k_avx512(void);
 void init_gemm_b32_avx512(void); /* q8_0, q4_0, mxfp4 (both nibble orders) */
 void init_gemm_lanes_b32_avx512(void); /* q4_1, q5_0, q5_1, iq4_nl */
-void init_gemm_lanes_k_avx512(void);   /* iq4_xs, iq3_s, iq2_xxs */
+void init_gemm_lanes_k_avx512(void);   /* iq4_xs, iq3_s, iq2_xxs, iq1_s, tq2_0, tq1_0 */
 
 #endif

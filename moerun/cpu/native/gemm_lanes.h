@@ -1,6 +1,6 @@
 /* What the AVX-512 prefill GEMMs of q4_1, q5_0, q5_1, iq4_nl (gemm_lanes_b32_avx512.c: 32-element
- * blocks x q8_0 activations), iq4_xs, iq3_s and iq2_xxs (gemm_lanes_k_avx512.c: x q8_K) share: each
- * zmm lane holds one of 16 rows.
+ * blocks x q8_0 activations), iq4_xs, iq3_s, iq2_xxs, iq1_s, tq2_0 and tq1_0
+ * (gemm_lanes_k_avx512.c: x q8_K) share: each zmm lane holds one of 16 rows.
  *
  * The integer matvec of these formats (avx512_iq4.c, avx512_iq.c, as generic.c) applies the scales
  * on a scalar fp32 chain per output: the 32-element blocks one at a time, acc += (d * yd) *
@@ -29,14 +29,11 @@
 
 static inline int64_t padded(int64_t T) { return (T + GT - 1) / GT * GT; }
 
-/* 16 rows' 16 bytes of nibbles (at byte `at` of each row's bytes rp[i]) -> w[8]: w[k] holds codes
- * 4k .. 4k + 3 of rows 0 .. 15 (low nibbles are elements 0-15, high 16-31); iq4: IQ4's values + 128
- * in their place. */
-static inline __attribute__((always_inline)) void nibbles16(const uint8_t *const rp[ROWS], int64_t at,
-                                                            int iq4, __m512i w[8]) {
-    /* z[a] holds rows a, 4 + a, 8 + a, 12 + a; after the 4 x 4 dword transpose in each 128-bit
-     * lane, v[k] holds dword k of rows 0 .. 15 in order */
-    __m512i z[4], v[4];
+/* 16 rows' 16 bytes (at byte `at` of each row's bytes rp[i]) -> v[4]: v[k] holds dword k of rows
+ * 0 .. 15 in order. */
+static inline __attribute__((always_inline)) void dwords16(const uint8_t *const rp[ROWS], int64_t at, __m512i v[4]) {
+    /* z[a] holds rows a, 4 + a, 8 + a, 12 + a; then a 4 x 4 dword transpose in each 128-bit lane */
+    __m512i z[4];
     for (int a = 0; a < 4; a++) {
         z[a] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[a] + at)));
         for (int l = 1; l < 4; l++)
@@ -46,6 +43,15 @@ static inline __attribute__((always_inline)) void nibbles16(const uint8_t *const
     const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
     v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
     v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* 16 rows' 16 bytes of nibbles (at byte `at` of each row's bytes rp[i]) -> w[8]: w[k] holds codes
+ * 4k .. 4k + 3 of rows 0 .. 15 (low nibbles are elements 0-15, high 16-31); iq4: IQ4's values + 128
+ * in their place. */
+static inline __attribute__((always_inline)) void nibbles16(const uint8_t *const rp[ROWS], int64_t at,
+                                                            int iq4, __m512i w[8]) {
+    __m512i v[4];
+    dwords16(rp, at, v);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int k = 0; k < 4; k++) {
         w[k] = _mm512_and_si512(v[k], m4);

@@ -1,7 +1,8 @@
-/* AVX-512 prefill GEMM for iq4_xs, iq3_s and iq2_xxs (x q8_K), 16 rows in the lanes of a zmm
- * (gemm_lanes.h): per super-block S = the exact int32 sum over the 32-element sub-blocks of scale *
- * dot, then acc += (yd * d) * float(S), as avx512_iq4.c's and avx512_iq.c's row kernels. The three
- * share the activations' layout and the tile; each has its own decode. */
+/* AVX-512 prefill GEMM for iq4_xs, iq3_s, iq2_xxs, iq1_s, tq2_0 and tq1_0 (x q8_K), 16 rows in
+ * the lanes of a zmm (gemm_lanes.h): per super-block S = the exact int32 sum over the 32-element
+ * sub-blocks of scale * dot, then acc += (yd * d) * float(S), as avx512_iq4.c's and avx512_iq.c's
+ * row kernels (iq1_s's and the ternaries' split S differently, into the same integer). They share
+ * the activations' layout and the tile; each has its own decode. */
 #include "gemm_lanes.h"
 
 #ifdef MOERUN_AVX512
@@ -147,6 +148,102 @@ static void iq2_xxs_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *
     }
 }
 
+/* IQ1_S: sub-block ib's 4 grid entries (8 values in {-1, 0, 1} each) from qs bytes 4ib + l and bits
+ * 3l .. 3l + 2 of its uint16 qh; value 8 * grid + delta (delta -1 where bit 15 of qh is set, else
+ * +1); scale 2 * ((qh >> 12) & 7) + 1; d the fp16 d times 0.125f; as iq_unpack.h. */
+static void iq1_s_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *D) {
+    const int64_t at = b * 50;
+    uint16_t d16[ROWS];
+    int32_t qs[8][ROWS], qh[8][ROWS];
+    for (int i = 0; i < ROWS; i++) {
+        d16[i] = rd16(rp[i] + at);
+        for (int ib = 0; ib < 8; ib++) {
+            memcpy(&qs[ib][i], rp[i] + at + 2 + 4 * ib, 4);
+            qh[ib][i] = rd16(rp[i] + at + 34 + 2 * ib);
+        }
+    }
+    D->d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d16)), _mm512_set1_ps(0.125f));
+    for (int ib = 0; ib < 8; ib++) {
+        const __m512i q = _mm512_loadu_si512((const void *)qs[ib]), h = _mm512_loadu_si512((const void *)qh[ib]);
+        const __m512i s3 = _mm512_and_si512(_mm512_srli_epi32(h, 12), _mm512_set1_epi32(7));
+        D->ls[ib] = _mm512_add_epi32(_mm512_add_epi32(s3, s3), _mm512_set1_epi32(1));
+        const __mmask16 minus = _mm512_test_epi32_mask(h, _mm512_set1_epi32(0x8000));
+        const __m512i c = _mm512_mask_blend_epi32(minus, _mm512_set1_epi8((char)129), _mm512_set1_epi8(127)); /* 128 + delta */
+        for (int l = 0; l < 4; l++) { /* grid entry l: values 8l .. 8l + 7, dwords 2l and 2l + 1 */
+            const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(q, _mm_cvtsi32_si128(8 * l)), _mm512_set1_epi32(255));
+            const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(h, _mm_cvtsi32_si128(3 * l)), _mm512_set1_epi32(7));
+            const __m512i gi = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8));
+            const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(gi), (const void *)IQ1S_GRID, 8);
+            const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(gi, 1), (const void *)IQ1S_GRID, 8);
+            for (int k = 0; k < 2; k++) { /* dwords 2i + k of e0, then of e1 */
+                const __m512i pick = _mm512_add_epi32(
+                    _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0), _mm512_set1_epi32(k));
+                __m512i v = _mm512_permutex2var_epi32(e0, pick, e1);
+                v = _mm512_add_epi8(v, v);
+                v = _mm512_add_epi8(v, v);
+                v = _mm512_add_epi8(v, v); /* 8 * grid, bytewise */
+                D->w[ib][2 * l + k] = _mm512_add_epi8(v, c);
+            }
+        }
+    }
+}
+
+/* TQ2_0: element 128h + 32k + j is code (byte 32h + j >> 2k) & 3, value code - 1; no scales; d the
+ * fp16 at byte 64; as iq_unpack.h. Here the codes + 127 (value + 128) and scale 1. */
+static void tq2_0_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *D) {
+    const int64_t at = b * 66;
+    uint16_t d16[ROWS];
+    for (int i = 0; i < ROWS; i++) d16[i] = rd16(rp[i] + at + 64);
+    D->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d16));
+    for (int ib = 0; ib < 8; ib++) D->ls[ib] = _mm512_set1_epi32(1);
+    for (int part = 0; part < 4; part++) { /* bytes 16 part .. 16 part + 15: half h = part / 2, dwords 4 (part % 2) .. */
+        __m512i v[4];
+        dwords16(rp, at + 16 * part, v);
+        const int h = part / 2, m0 = 4 * (part % 2);
+        for (int k = 0; k < 4; k++)
+            for (int m = 0; m < 4; m++)
+                D->w[4 * h + k][m0 + m] = _mm512_add_epi8(
+                    _mm512_and_si512(_mm512_srl_epi32(v[m], _mm_cvtsi32_si128(2 * k)), _mm512_set1_epi8(3)),
+                    _mm512_set1_epi8(127));
+    }
+}
+
+/* TQ1_0: digit k of byte v is ((v * 3^k mod 256) * 3) >> 8 (a base-3 digit as a fixed-point
+ * fraction); here of each byte of v, as 127 + digit (value + 128, value = digit - 1). */
+static inline __m512i tq1_code(__m512i v, int k) {
+    static const short pow3[5] = {1, 3, 9, 27, 81};
+    const __m512i p = _mm512_set1_epi16(pow3[k]), ff = _mm512_set1_epi16(0xFF), three = _mm512_set1_epi16(3);
+    __m512i lo = _mm512_and_si512(_mm512_mullo_epi16(_mm512_and_si512(v, ff), p), ff);
+    __m512i hi = _mm512_and_si512(_mm512_mullo_epi16(_mm512_srli_epi16(v, 8), p), ff);
+    lo = _mm512_srli_epi16(_mm512_mullo_epi16(lo, three), 8);
+    hi = _mm512_srli_epi16(_mm512_mullo_epi16(hi, three), 8);
+    return _mm512_add_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 8)), _mm512_set1_epi8(127));
+}
+
+/* TQ1_0: bytes 0-31 give elements 32k + j (digit k, sub-block k < 5), 32-47 give 160 + 16k + j,
+ * 48-51 give 240 + 4k + j; d the fp16 at byte 52; no scales; as iq_unpack.h. */
+static void tq1_0_decode16(const uint8_t *const rp[ROWS], int64_t b, xsdec_t *D) {
+    const int64_t at = b * 54;
+    uint16_t d16[ROWS];
+    int32_t c[ROWS];
+    for (int i = 0; i < ROWS; i++) {
+        d16[i] = rd16(rp[i] + at + 52);
+        memcpy(c + i, rp[i] + at + 48, 4);
+    }
+    D->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d16));
+    for (int ib = 0; ib < 8; ib++) D->ls[ib] = _mm512_set1_epi32(1);
+    __m512i a[8], bb[4];
+    dwords16(rp, at, a);
+    dwords16(rp, at + 16, a + 4);
+    dwords16(rp, at + 32, bb);
+    for (int k = 0; k < 5; k++)
+        for (int m = 0; m < 8; m++) D->w[k][m] = tq1_code(a[m], k);
+    for (int k = 0; k < 5; k++) /* elements 160 + 16k + 4m .. : sub-block 5 + k / 2, dword 4 (k % 2) + m */
+        for (int m = 0; m < 4; m++) D->w[5 + k / 2][4 * (k % 2) + m] = tq1_code(bb[m], k);
+    const __m512i cv = _mm512_loadu_si512((const void *)c);
+    for (int k = 0; k < 4; k++) D->w[7][4 + k] = tq1_code(cv, k); /* elements 240 + 4k .. 240 + 4k + 3 */
+}
+
 static void xs_tile16(const xsdec_t *D, int64_t nsb, const axk_t *x, int64_t tn, int nr, float *y, int64_t ys) {
     __m512 acc[GT];
     for (int t = 0; t < GT; t++) acc[t] = _mm512_setzero_ps();
@@ -195,6 +292,9 @@ static inline __attribute__((always_inline)) void k256_body(int fmt, const uint8
             for (int64_t b = 0; b < nsb; b++) {
                 if (fmt == F_IQ3_S) iq3_s_decode16(rp, b, D + b);
                 else if (fmt == F_IQ2_XXS) iq2_xxs_decode16(rp, b, D + b);
+                else if (fmt == F_IQ1_S) iq1_s_decode16(rp, b, D + b);
+                else if (fmt == F_TQ2_0) tq2_0_decode16(rp, b, D + b);
+                else if (fmt == F_TQ1_0) tq1_0_decode16(rp, b, D + b);
                 else xs_decode16(rp, b, D + b);
             }
             for (int64_t g = g0; g < g1; g++)
@@ -208,6 +308,9 @@ static void k256_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r
                      int64_t T, float *y, int64_t ys) {
     if (fmt == F_IQ3_S) k256_body(F_IQ3_S, w, rb, r0, r1, n, xl, T, y, ys);
     else if (fmt == F_IQ2_XXS) k256_body(F_IQ2_XXS, w, rb, r0, r1, n, xl, T, y, ys);
+    else if (fmt == F_IQ1_S) k256_body(F_IQ1_S, w, rb, r0, r1, n, xl, T, y, ys);
+    else if (fmt == F_TQ2_0) k256_body(F_TQ2_0, w, rb, r0, r1, n, xl, T, y, ys);
+    else if (fmt == F_TQ1_0) k256_body(F_TQ1_0, w, rb, r0, r1, n, xl, T, y, ys);
     else k256_body(F_IQ4_XS, w, rb, r0, r1, n, xl, T, y, ys);
 }
 
@@ -215,6 +318,9 @@ void init_gemm_lanes_k_avx512(void) {
     GEMM[F_IQ4_XS] = (gemm_ops){2, xs_size, xs_prep, k256_run};
     GEMM[F_IQ3_S] = (gemm_ops){4, xs_size, xs_prep, k256_run};
     GEMM[F_IQ2_XXS] = (gemm_ops){4, xs_size, xs_prep, k256_run};
+    GEMM[F_IQ1_S] = (gemm_ops){3, xs_size, xs_prep, k256_run};
+    GEMM[F_TQ2_0] = (gemm_ops){3, xs_size, xs_prep, k256_run};
+    GEMM[F_TQ1_0] = (gemm_ops){3, xs_size, xs_prep, k256_run};
 }
 #else
 void init_gemm_lanes_k_avx512(void) {}

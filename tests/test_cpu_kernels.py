@@ -17,6 +17,7 @@ from moerun.quant import dequant
 from moerun.quant.formats import FLOAT_DTYPES, get_format
 from moerun.quant.formats import FORMATS as QUANT_FORMATS
 from moerun.quant.quantize import BLOCK_QUANTIZERS, quantize_rows
+from moerun.quant.scales import FP16_SCALES
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"native CPU kernels: {cpu.unavailable_reason()}")
 
@@ -26,25 +27,6 @@ OUT, IN = 37, 512  # 37 rows: not a multiple of any thread split; 512: 2 super-b
 # fp32 sums of at most IN / 16 + 64 terms, each rounded once or twice: well inside 1e-5 of the
 # sum of the terms' absolute values
 REL_BOUND = 1e-5
-
-
-# Byte offsets of the fp16 scale fields (d, and q4_1's and q5_1's m) of the formats moerun does not
-# quantise yet (ggml-common.h); iq1_m's d lies in the top nibbles of its last four uint16.
-SCALE_FIELDS = {
-    "q4_1": (0, 2),
-    "q5_0": (0,),
-    "q5_1": (0, 2),
-    "iq4_nl": (0,),
-    "iq2_xxs": (0,),
-    "iq2_xs": (0,),
-    "iq2_s": (0,),
-    "iq3_xxs": (0,),
-    "iq3_s": (0,),
-    "iq1_s": (0,),
-    "iq4_xs": (0,),
-    "tq1_0": (52,),
-    "tq2_0": (64,),
-}
 
 
 def random_blocks(fmt_name: str, out: int, n: int, seed: int) -> torch.Tensor:
@@ -60,7 +42,7 @@ def random_blocks(fmt_name: str, out: int, n: int, seed: int) -> torch.Tensor:
         for k in range(4):
             words[:, k] = (words[:, k] & 0x0FFF) | ((bits[:, 0] >> (4 * k)) & 0xF) << 12
         blocks[:, 48:56] = words.view(np.uint8)
-    for i, at in enumerate(SCALE_FIELDS.get(fmt_name, ())):
+    for i, at in enumerate(FP16_SCALES.get(fmt_name, ())):  # iq1_m has none: set above
         blocks[:, at : at + 2] = bits[:, i : i + 1].astype("<u2").view(np.uint8)
     return torch.from_numpy(blocks.reshape(out, -1))
 

@@ -17,35 +17,13 @@ from moerun.quant.mxfp4_layouts import (
     mxfp4_to_gpt_oss,
     mxfp4_to_gpt_oss_layout,
 )
+from moerun.quant.scales import FP16_SCALES
 
 GGUF_FORMATS = [name for name, f in FORMATS.items() if f.ggml_type is not None]
 BLOCK_FORMATS = [name for name in GGUF_FORMATS if not FORMATS[name].is_float]
-# Byte offsets of each block's fp16 fields (d, dmin), from ggml-common.h; all other bytes may be anything.
-FP16_FIELDS = {
-    "q4_0": (0,),
-    "q8_0": (0,),
-    "q2_k": (80, 82),
-    "q3_k": (108,),
-    "q4_k": (0, 2),
-    "q5_k": (0, 2),
-    "q6_k": (208,),
-    "mxfp4": (),
-    "mxfp4_gpt_oss": (),
-    "q4_1": (0, 2),
-    "q5_0": (0,),
-    "q5_1": (0, 2),
-    "iq4_nl": (0,),
-    "iq2_xxs": (0,),
-    "iq2_xs": (0,),
-    "iq2_s": (0,),
-    "iq3_xxs": (0,),
-    "iq3_s": (0,),
-    "iq1_s": (0,),
-    "iq4_xs": (0,),
-    "tq1_0": (52,),
-    "tq2_0": (64,),
-    # iq1_m's d is spread over the top nibbles of its last 8 bytes: any bytes there give any d
-}
+# Byte offsets of each block's fp16 fields (d, dmin), ggml-common.h's layouts; all other bytes may be
+# anything (iq1_m's d is spread over the top nibbles of its last 8 bytes: any bytes there give any d).
+FP16_FIELDS = FP16_SCALES
 # Logical shapes in blocks per row: one block, several blocks in a row, several rows, [E, out, in].
 SHAPES_IN_BLOCKS = [(1, 1), (1, 3), (5, 2), (3, 4, 2)]
 F16_SPECIALS = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x3C00, 0x7BFF, 0xFBFF], np.uint16)

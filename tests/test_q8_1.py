@@ -25,12 +25,11 @@ import torch
 from moerun.quant import dequant
 from moerun.quant.formats import FORMATS, FormatError, QTensor
 from moerun.quant.q8_1 import DOT_FORMATS, dot_q8_1, matvec_q8_1, quantize_q8_1
+from moerun.quant.scales import FP16_SCALES
 
 N = 512  # two k-quant super-blocks, 16 q8_1 blocks
 ROWS = 8
 GGUF_QUANTISED = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"}  # formats gguf-py can quantise
-FP16_FIELDS = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
-FP16_FIELDS |= {"iq4_nl": (0,), "iq4_xs": (0,)}
 
 
 def ggml_q8_1(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,7 +136,7 @@ def weight_bytes(name: str, seed: int) -> np.ndarray:
         return gguf.quants.quantize(w, gguf.GGMLQuantizationType(fmt.ggml_type))
     n_blocks = ROWS * N // fmt.block_size
     blocks = rng.integers(0, 256, size=(n_blocks, fmt.block_bytes), dtype=np.uint8)
-    for offset in FP16_FIELDS[name]:
+    for offset in FP16_SCALES[name]:
         vals = (rng.choice([-1, 1], n_blocks) * 10.0 ** rng.uniform(-4, 0, n_blocks)).astype(np.float16)
         vals[0], vals[1] = 0, np.float16(3e-6)
         blocks[:, offset : offset + 2] = vals.astype("<f2").view(np.uint8).reshape(n_blocks, 2)

@@ -1,6 +1,6 @@
 """moerun: Mixture-of-Experts language models, fast on one GPU and correct on a CPU."""
 
-from moerun.batching import Token
+from moerun.batching import Grammar, GrammarError, Token
 from moerun.checkpoint.load import load
 from moerun.errors import CheckpointError, ConfigError, GGUFMetadataError, TensorError, TokenizerError
 from moerun.model import MoEModel
@@ -11,6 +11,8 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "GGUFMetadataError",
+    "Grammar",
+    "GrammarError",
     "MoELayer",
     "MoEModel",
     "MoESpec",

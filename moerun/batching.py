@@ -9,10 +9,18 @@ sequence whose input is all read picks its next token from its last position's l
 leave when they finish (an end-of-sequence id, a stop string, their budget or their context) or are
 cancelled, without stalling the rest. `model.generate` runs one on one prompt or a list of them;
 a server adds requests as they come.
+
+A request may ask for `n` choices: its prompt is prefilled once, by the first, and the others copy
+that cache when it is full and pick their first token from the same logits, each with its own
+sampler (seed + i) and from then on its own cache. A request under a grammar (moerun.text.grammar)
+gives each sequence its own matcher; each step the masks of all constrained sequences are computed
+in one call and applied to their logits before anything else sees them (penalties, temperature,
+top-k/p, logprobs), and the sequence ends where its grammar is complete.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,12 +29,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from moerun.sampling import Sampler, SamplingParams, token_logprobs
+from moerun.text.grammar import (
+    CompiledGrammar,
+    Grammar,
+    GrammarError,
+    Matcher,
+    apply_masks,
+    fill_masks,
+    response_format_grammar,
+)
 from moerun.text.stops import StopMatcher
 from moerun.text.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:
     from moerun.decoder.kv_cache import KVCache
     from moerun.decoder.model import Decoder
+
+__all__ = ["FINISH_REASONS", "Batch", "Generation", "Grammar", "GrammarError", "Request", "Token"]
 
 # a sequence's finish_reason: "stop" (an end-of-sequence id or a stop string), "length" (its token
 # budget), "context" (its context filled first), "cancelled"; None while it runs
@@ -52,7 +71,8 @@ def _integer(value) -> bool:
 class Request:
     """One generation as asked for, checked (`Request.make`): prompt ids, at most `max_new_tokens`
     new tokens (None: until the context is full), sampling, stop strings, `logprobs` alternatives
-    per token and the context in positions, prompt included."""
+    per token, the context in positions, prompt included, `n` choices and the grammar the text
+    must match (None: any text)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int | None
@@ -60,6 +80,8 @@ class Request:
     stop: tuple[str, ...] = ()
     logprobs: int = 0
     context: int = 1
+    n: int = 1
+    grammar: CompiledGrammar | None = None
 
     @classmethod
     def make(
@@ -70,11 +92,16 @@ class Request:
         stop: Sequence[str] = (),
         logprobs: int = 0,
         ctx_size: int | None = None,
+        n: int = 1,
+        response_format: dict | Grammar | None = None,
         **sampling,
     ) -> Request:
         """A Request for `model`, every argument checked (ValueError or TypeError naming it):
         `prompt` text (which needs the model's tokenizer) or ids, `max_new_tokens` -1 or None for
-        no limit, `ctx_size` None for the model's context, sampling options as SamplingParams."""
+        no limit, `ctx_size` None for the model's context, `n` choices, `response_format` OpenAI's
+        (`{"type": "json_schema", "json_schema": {"schema": ...}}`, `{"type": "json_object"}`) or a
+        moerun.text.grammar.Grammar (GrammarError, a ValueError, naming what cannot be enforced),
+        sampling options as SamplingParams."""
         params = SamplingParams.from_options(**sampling)
         if max_new_tokens is not None and (not _integer(max_new_tokens) or max_new_tokens < -1):
             raise ValueError(
@@ -84,6 +111,9 @@ class Request:
             raise ValueError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}.")
         if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
             raise TypeError("stop is a list of strings.")
+        if not _integer(n) or n < 1:
+            raise ValueError(f"n must be an integer >= 1 (choices), got {n!r}.")
+        grammar = _compiled_grammar(model, response_format)
         ids = prompt_ids(prompt, model.tokenizer)
         if not ids:
             raise ValueError("A prompt needs at least one token.")
@@ -95,7 +125,23 @@ class Request:
         if len(ids) > context:
             raise ValueError(f"The prompt's {len(ids)} tokens do not fit a context of {context} positions.")
         budget = None if max_new_tokens in (None, -1) else max_new_tokens
-        return cls(tuple(ids), budget, params, tuple(stop), logprobs, context)
+        return cls(tuple(ids), budget, params, tuple(stop), logprobs, context, n, grammar)
+
+
+def _compiled_grammar(model: Decoder, response_format) -> CompiledGrammar | None:
+    grammar = response_format
+    if response_format is not None and not isinstance(response_format, Grammar):
+        grammar = response_format_grammar(response_format)
+    if grammar is None:
+        return None
+    if model.tokenizer is None:
+        raise ValueError("Structured output needs the checkpoint's tokenizer; this one has none.")
+    return grammar.compile(model.tokenizer, model.config.vocab_size, end_ids(model))
+
+
+def end_ids(model: Decoder) -> set[int]:
+    """The ids that end a generation: the config's and the tokenizer's end-of-sequence ids."""
+    return set(model.config.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else set())
 
 
 def prompt_ids(prompt, tokenizer: Tokenizer | None) -> list[int]:
@@ -162,21 +208,32 @@ class TextRelease:
 
 class Generation:
     """One generation in a batch: its cache holds `seen[:cache.length]` (prompt, then output), and
-    its next input is whatever of `seen` the cache does not hold yet."""
+    its next input is whatever of `seen` the cache does not hold yet. Choice `index` of its request;
+    the first choice holds the others (`choices`, itself first), which wait in `forks` until its
+    prompt is read and then start from a copy of its cache."""
 
-    def __init__(self, model: Decoder, request: Request, prefix: tuple[KVCache, list[int]] | None = None):
-        self.request = request
+    def __init__(
+        self,
+        model: Decoder,
+        request: Request,
+        prefix: tuple[KVCache, list[int]] | None = None,
+        index: int = 0,
+    ):
+        self.request, self.index = request, index
         prompt = list(request.prompt)
         budget = request.max_new_tokens
         wanted = None if budget is None else len(prompt) + budget
         total = request.context if wanted is None else min(wanted, request.context)  # prompt + new tokens
         self.ran_out = "length" if total == wanted else "context"  # why it ends if no EOS comes first
         self.steps_left = total - len(prompt)
-        self.eos = set(model.config.eos_token_ids) | (model.tokenizer.eos_ids if model.tokenizer else set())
+        self.eos = end_ids(model)
         self.cache = model.new_cache(1, max(total, 1))
         self.seen = prompt
         reused = self._reuse(*prefix) if prefix is not None else 0
-        self.sampler = Sampler(request.params)
+        seed = request.params.seed
+        params = request.params if seed is None else dataclasses.replace(request.params, seed=seed + index)
+        self.sampler = Sampler(params)
+        self.matcher: Matcher | None = request.grammar.matcher() if request.grammar is not None else None
         self.text = TextRelease(model.tokenizer, request.stop) if model.tokenizer is not None else None
         self.stats = {
             "prompt_tokens": len(prompt),
@@ -187,10 +244,19 @@ class Generation:
             "context": request.context,
             "finish_reason": None if self.steps_left else self.ran_out,
         }
+        self.forks: list[Generation] = []
+        if index == 0:
+            self.forks = [Generation(model, request, None, i) for i in range(1, request.n)]
+        self.choices = [self, *self.forks]
 
     @property
     def finished(self) -> bool:
         return self.stats["finish_reason"] is not None
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether its next token is the argmax of the logits as they come (see Sampler.argmax_only)."""
+        return self.matcher is None and self.sampler.argmax_only
 
     def next_input(self, limit: int) -> list[int]:
         """At most `limit` of the ids the cache does not hold yet."""
@@ -198,9 +264,10 @@ class Generation:
         return self.seen[start : start + limit]
 
     def pick(self, logits: torch.Tensor, next_id: int | None = None) -> list[Token]:
-        """The next token from its logits [V] (or `next_id`, their argmax where the sampler takes
-        nothing else: `sampler.argmax_only`) -> the tokens this releases (finishing the sequence
-        when it is an end-of-sequence id, completes a stop string, or the last there is room for)."""
+        """The next token from its logits [V] (under a grammar, already masked: `Batch.step`), or
+        `next_id`, their argmax where nothing else decides (`argmax_only`) -> the tokens this
+        releases (finishing the sequence when it is an end-of-sequence id, completes a stop string
+        or the grammar, or is the last there is room for)."""
         if next_id is None:
             next_id = self.sampler(logits, self.seen, self.seen[len(self.request.prompt) :])
         self.seen.append(next_id)
@@ -210,11 +277,26 @@ class Generation:
             token = Token(next_id, logprob=logprob, top_logprobs=top)
         self.steps_left -= 1
         self.stats["new_tokens"] += 1
-        last = next_id in self.eos or self.steps_left == 0
+        complete = False
+        if self.matcher is not None and next_id not in self.eos:
+            self.matcher.advance(next_id)
+            complete = self.matcher.done  # nothing may follow: no need to wait for an end id
+        last = next_id in self.eos or complete or self.steps_left == 0
         released, stopped = self.text.push(token, last) if self.text is not None else ([token], False)
         if stopped or last:
-            self.stats["finish_reason"] = "stop" if stopped or next_id in self.eos else self.ran_out
+            ended = stopped or complete or next_id in self.eos
+            self.stats["finish_reason"] = "stop" if ended else self.ran_out
         return released
+
+    def start_forks(self, logits: torch.Tensor) -> list[tuple[Generation, list[Token]]]:
+        """(The first choice, its prompt just read.) The other choices take a copy of its cache and
+        pick their first tokens from the same logits [V] -> (choice, the tokens it released)."""
+        out = []
+        for fork in self.forks:
+            fork.cache.copy_prefix(self.cache, len(self.request.prompt))
+            out.append((fork, fork.pick(logits)))
+        self.forks = []
+        return out
 
     def _reuse(self, old: KVCache, old_ids: list[int]) -> int:
         """Copy into this cache the longest run of positions `old` holds that starts the prompt (all
@@ -235,25 +317,31 @@ class Batch:
         self.running: list[Generation] = []
 
     def add(self, request: Request, prefix: tuple[KVCache, list[int]] | None = None) -> Generation:
-        """Start `request` (joining at the next step); `prefix`: a cache and the ids it holds, whose
-        positions that begin this prompt are copied rather than computed again."""
+        """Start `request` (joining at the next step) -> its first choice (`.choices`: all of them);
+        `prefix`: a cache and the ids it holds, whose positions that begin this prompt are copied
+        rather than computed again."""
         sequence = Generation(self.model, request, prefix)
         if not sequence.finished:
             self.running.append(sequence)
         return sequence
 
     def cancel(self, sequence: Generation) -> None:
-        """Stop `sequence` now (a client gone): it leaves at once, its cache freed with it."""
-        if sequence in self.running:
-            self.running.remove(sequence)
-            sequence.stats["finish_reason"] = "cancelled"
+        """Stop `sequence` and its other choices now (a client gone): they leave at once, their
+        caches freed with them."""
+        for choice in sequence.choices:
+            if choice in self.running:
+                self.running.remove(choice)
+            if not choice.finished:
+                choice.stats["finish_reason"] = "cancelled"
+        sequence.forks = []
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Generation, list[Token]]]:
         """One forward pass over every running sequence's next input -> (sequence, the tokens it
         released) for each that picked a token; finished sequences leave. Each sequence reading its
         prompt takes a chunk of it, within a step's budget of `prefill_chunk` tokens (the decoding
-        sequences' one token each come first), so a long prompt joins over several steps."""
+        sequences' one token each come first), so a long prompt joins over several steps. A first
+        choice whose prompt is read starts its other choices from the same logits."""
         decoding = sum(1 for s in self.running if s.stats["new_tokens"])
         room = max(self.model.prefill_chunk - decoding, 0)  # prompt tokens this step
         stepping, inputs = [], []
@@ -272,22 +360,39 @@ class Batch:
         decoded = [s.stats["new_tokens"] > 0 for s in stepping]  # else this step's time is prefill's
         start = time.perf_counter()
         hidden = self.model.forward_sequences(inputs, [s.cache for s in stepping])  # [S, H]
-        ready = [i for i, s in enumerate(stepping) if s.cache.length == len(s.seen)]
+        ready_at = [i for i, s in enumerate(stepping) if s.cache.length == len(s.seen)]
+        ready = [stepping[i] for i in ready_at]
         out = []
         if ready:
-            rows = hidden[0] if len(stepping) == 1 else hidden[torch.tensor(ready)]  # [H] or [S', H]
-            logits = self.model.hidden_logits(rows)  # [V] or [S', V] fp32
-            if logits.dim() == 1:
-                out.append((stepping[ready[0]], stepping[ready[0]].pick(logits)))
+            if len(stepping) == 1:
+                logits = self.model.hidden_logits(hidden[0]).unsqueeze(0)  # [1, V] fp32
             else:
-                # the greedy sequences' tokens from one argmax call (each row's the same as its own)
-                greedy = [stepping[i].sampler.argmax_only for i in ready]
-                argmaxes = logits.argmax(dim=-1).tolist() if any(greedy) else None
-                for j, i in enumerate(ready):
-                    picked = argmaxes[j] if greedy[j] else None
-                    out.append((stepping[i], stepping[i].pick(logits[j], picked)))
+                logits = self.model.hidden_logits(hidden[torch.tensor(ready_at)])  # [S', V] fp32
+            logits = self._masked(logits, ready)
+            # the greedy sequences' tokens from one argmax call (each row's the same as its own)
+            greedy = [s.argmax_only for s in ready]
+            argmaxes = logits.argmax(dim=-1).tolist() if any(greedy) else None
+            for j, s in enumerate(ready):
+                out.append((s, s.pick(logits[j], argmaxes[j] if greedy[j] else None)))
+                if s.forks:
+                    forks = s.start_forks(logits[j])
+                    out += forks
+                    self.running += [f for f, _ in forks if not f.finished]
         elapsed = time.perf_counter() - start
         for s, was_decoding in zip(stepping, decoded, strict=True):
             s.stats["decode_s" if was_decoding else "prefill_s"] += elapsed
         self.running = [s for s in self.running if not s.finished]
         return out
+
+    @staticmethod
+    def _masked(logits: torch.Tensor, ready: list[Generation]) -> torch.Tensor:
+        """logits [S', V] with the tokens each constrained sequence's grammar forbids at -inf (the
+        masks of all of them computed in one call)."""
+        constrained = [j for j, s in enumerate(ready) if s.matcher is not None]
+        if not constrained:
+            return logits
+        grammar = ready[constrained[0]].request.grammar
+        masks = fill_masks([ready[j].matcher for j in constrained], grammar.mask_vocab)
+        rows = torch.tensor(constrained, device=logits.device)
+        logits[rows] = apply_masks(logits[rows], masks)
+        return logits

@@ -50,6 +50,8 @@ class Generator:
         logprobs: int = 0,
         ctx_size: int | None = None,
         parallel: int | None = None,
+        n: int = 1,
+        response_format=None,
         **sampling,
     ) -> Iterator[Token] | list[list[Token]]:
         """Yield up to `max_new_tokens` tokens (None or -1: until the context ends) after `prompt`
@@ -62,9 +64,17 @@ class Generator:
         positions, prompt included; default the model's) is full. Timings and `finish_reason` land
         in `stats()`. Arguments are checked here, before the first token is asked for.
 
+        `response_format` constrains the text: OpenAI's `{"type": "json_schema", "json_schema":
+        {"schema": {...}}}` or `{"type": "json_object"}`, or a moerun.text.grammar.Grammar (e.g.
+        `Grammar.text(gbnf_or_lark)`); the output then parses (and validates) unless the budget or
+        the context ends it first (`finish_reason` "length"). Needs `pip install 'moerun[structured]'`.
+
+        `n` > 1 gives n choices of each prompt (its prompt prefilled once; choice i sampled with
+        `seed` + i), returned as a list per choice, prompt by prompt, once all are done.
+
         A list of prompts runs them as one batch (moerun.batching: one forward pass per step over
         every sequence still going, each with its own cache, stops and length; `max_new_tokens` one
-        value or one per prompt; at most `parallel` sequences at once, default all, the next prompt
+        value or one per prompt; at most `parallel` prompts at once, default all, the next prompt
         joining as one finishes) and returns each prompt's tokens, a list per prompt, once all are
         done; `stats()["sequences"]` holds each one's figures. Greedy, each list holds the tokens
         the prompt gives alone.
@@ -73,10 +83,13 @@ class Generator:
         such generation's where its tokens (prompt and output) begin this prompt, computing only
         the rest (a chat's next turn repeats the whole conversation). The reused positions were
         computed in other chunks, so logits may differ from a fresh run's in the last bits."""
-        options = dict(stop=stop, logprobs=logprobs, ctx_size=ctx_size, **sampling)
-        if is_batch(prompt):
+        options = dict(
+            stop=stop, logprobs=logprobs, ctx_size=ctx_size, n=n, response_format=response_format, **sampling
+        )
+        if is_batch(prompt) or n != 1:
+            prompt = prompt if is_batch(prompt) else [prompt]
             if reuse_prefix:
-                raise ValueError("reuse_prefix applies to one prompt, not to a batch.")
+                raise ValueError("reuse_prefix applies to one prompt and one choice.")
             budgets = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else None
             if budgets is not None and len(budgets) != len(prompt):
                 raise ValueError(f"max_new_tokens has {len(budgets)} values for {len(prompt)} prompts.")
@@ -84,7 +97,7 @@ class Generator:
             if parallel is not None and (not isinstance(parallel, int) or parallel < 1):
                 raise ValueError(f"parallel must be an integer >= 1 (sequences at once), got {parallel!r}.")
             pairs = zip(prompt, budgets, strict=True)
-            requests = [Request.make(self.model, p, n, **options) for p, n in pairs]
+            requests = [Request.make(self.model, p, budget, **options) for p, budget in pairs]
             return self._batch(requests, parallel or len(requests))
         if parallel is not None:
             raise ValueError("parallel applies to a list of prompts.")
@@ -103,17 +116,18 @@ class Generator:
                 yield from tokens
 
     def _batch(self, requests: list[Request], parallel: int) -> list[list[Token]]:
-        """Every request's tokens, at most `parallel` sequences running at once (their caches
-        allocated as they join)."""
+        """Every request's tokens (each choice's, in order), at most `parallel` requests running at
+        once (their caches allocated as they join)."""
         batch = Batch(self.model)
         waiting = collections.deque(requests)
         sequences: list[Generation] = []
         outputs: dict[int, list[Token]] = {}
         steps, start = 0, time.perf_counter()
         while waiting or batch.running:
-            while waiting and len(batch.running) < parallel:
-                sequences.append(batch.add(waiting.popleft()))
-                outputs[id(sequences[-1])] = []
+            while waiting and len({id(s.request) for s in batch.running}) < parallel:
+                sequence = batch.add(waiting.popleft())
+                sequences += sequence.choices
+                outputs.update((id(choice), []) for choice in sequence.choices)
             for sequence, tokens in batch.step():
                 outputs[id(sequence)] += tokens
             steps += 1
@@ -122,7 +136,7 @@ class Generator:
         new = sum(s["new_tokens"] for s in per_sequence)
         self.last_run = {
             "sequences": per_sequence,
-            "prompt_tokens": sum(s["prompt_tokens"] for s in per_sequence),
+            "prompt_tokens": sum(s.stats["prompt_tokens"] for s in sequences if s.index == 0),  # once each
             "new_tokens": new,
             "steps": steps,
             "seconds": seconds,

@@ -129,10 +129,12 @@ def token_logprobs(
     logits: torch.Tensor, token_id: int, top: int
 ) -> tuple[float, tuple[tuple[int, float], ...]]:
     """logits [V] -> (log-probability of `token_id`, the `top` most likely (id, log-probability)
-    pairs, most likely first), from the model's distribution."""
+    pairs, most likely first), from the model's distribution (under a grammar, the masked one: the
+    alternatives are tokens it allows, those it forbids, at -inf, never listed)."""
     logprobs = logits.float().log_softmax(-1)
     values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
-    return float(logprobs[token_id]), tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    pairs = zip(ids.tolist(), values.tolist(), strict=True)
+    return float(logprobs[token_id]), tuple((i, v) for i, v in pairs if v != float("-inf"))
 
 
 class Sampler:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TextIO
 
+from moerun import Grammar
 from moerun.cli.common import (
     INTERRUPTED,
     add_generation_arguments,
@@ -44,6 +46,18 @@ def add_parser(commands) -> None:
         help="with --prompts-file: at most N sequences decode together, the next joining as one finishes",
     )
     add_generation_arguments(generate)
+    constraint = generate.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="the output must be JSON valid under the JSON schema in FILE (needs moerun[structured])",
+    )
+    constraint.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="the output must match the grammar in FILE: llama.cpp's GBNF (root ::= ...) or "
+        "llguidance's Lark (start: ...) (needs moerun[structured])",
+    )
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument(
         "--logprobs",
@@ -83,7 +97,24 @@ def _check_arguments(args: argparse.Namespace, err: TextIO) -> dict:
         raise ValueError("--chat renders a text prompt, --prompt-ids are already tokens; give one.")
     if args.parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {args.parallel}.")
-    return dict(options, logprobs=args.logprobs)
+    return dict(options, logprobs=args.logprobs, response_format=response_format(args))
+
+
+def response_format(args: argparse.Namespace):
+    """--json-schema FILE or --grammar FILE -> model.generate's `response_format` (None: neither)."""
+    if args.json_schema is not None:
+        text = read_text(args.json_schema, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--json-schema {args.json_schema}: not JSON ({e}).") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"--json-schema {args.json_schema}: a JSON schema is an object.")
+        spec = {"name": Path(args.json_schema).stem, "schema": schema}
+        return {"type": "json_schema", "json_schema": spec}
+    if args.grammar is not None:
+        return Grammar.text(read_text(args.grammar, "--grammar"), f"--grammar {args.grammar}")
+    return None
 
 
 def _prompt_for_model(model, args: argparse.Namespace, prompt: str | list[int]) -> list[int] | str:

@@ -157,6 +157,9 @@ class Routes:
         context = self.state.context
         kwargs, options = protocol.generation_options(body, chat, context)
         job_request = protocol.make_request(model, _prompt(model, body, chat), kwargs, context)
+        if job_request.n > scheduler.parallel:
+            message = f"'n' must be at most {scheduler.parallel}, the sequences this server runs at once."
+            raise bad(message, "n")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -175,15 +178,18 @@ class Routes:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         tokens, stats = await _collect(request, scheduler, job, events)
-        choice = _whole_choice(model.tokenizer, tokens, stats, chat, options)
+        choices = [
+            _whole_choice(model.tokenizer, tokens[i], s, chat, options, i) for i, s in enumerate(stats)
+        ]
         kind = "chat.completion" if chat else "text_completion"
         return JSONResponse(
-            protocol.envelope(kind, response_id, self.state.model_name, [choice], usage=protocol.usage(stats))
+            protocol.envelope(kind, response_id, self.state.model_name, choices, usage=protocol.usage(stats))
         )
 
     async def _stream(self, model, scheduler, job, events, chat, options, response_id) -> AsyncIterator[str]:
-        """The job's events as server-sent events: a chunk per batch of tokens, the finish reason (and
-        usage when asked), then [DONE]; the job is cancelled if the client goes away first."""
+        """The job's events as server-sent events: a chunk per batch of a choice's tokens (its
+        `index`), each choice's finish reason (and usage when asked), then [DONE]; the job is
+        cancelled if the client goes away first."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict, **extra) -> str:
@@ -191,22 +197,28 @@ class Routes:
             data = protocol.envelope(kind, response_id, self.state.model_name, choices, **extra)
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        offset = 0
+        n = job.request.n
+        offsets = [0] * n
         markers = harmony_markers(model.tokenizer) if chat else None
-        channels = ChannelSplitter(markers) if markers else None
+        channels = [ChannelSplitter(markers) if markers else None for _ in range(n)]
         try:
             if chat:
-                first = {"role": "assistant", "content": ""}
-                yield chunk({"index": 0, "delta": first, "logprobs": None, "finish_reason": None})
+                for i in range(n):
+                    first = {"role": "assistant", "content": ""}
+                    yield chunk({"index": i, "delta": first, "logprobs": None, "finish_reason": None})
             while True:
                 event, payload = await events.get()
                 if event == "tokens":
-                    yield chunk(_token_choice(model.tokenizer, payload, chat, options, channels, offset))
-                    offset += sum(len(t.text) for t in payload)
+                    i, tokens = payload
+                    yield chunk(
+                        _token_choice(model.tokenizer, tokens, chat, options, channels[i], offsets[i], i)
+                    )
+                    offsets[i] += sum(len(t.text) for t in tokens)
                 elif event == "done":
-                    finish = protocol.FINISH.get(payload["finish_reason"], "stop")
-                    last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-                    yield chunk({**last, "logprobs": None, "finish_reason": finish})
+                    for i, stats in enumerate(payload):
+                        finish = protocol.FINISH.get(stats["finish_reason"], "stop")
+                        last = {"index": i, "delta": {}} if chat else {"index": i, "text": ""}
+                        yield chunk({**last, "logprobs": None, "finish_reason": finish})
                     if options.include_usage:
                         yield chunk({}, usage=protocol.usage(payload))
                     break
@@ -285,8 +297,9 @@ def _prompt(model, body: Body, chat: bool) -> str | list[int]:
 
 
 async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events: asyncio.Queue):
-    """A whole response's (tokens, stats); the job is cancelled if the client goes away (a 499)."""
-    tokens = []
+    """A whole response's (tokens of each choice, stats of each choice); the job is cancelled if the
+    client goes away (a 499)."""
+    tokens = [[] for _ in range(job.request.n)]
     try:
         while True:
             try:
@@ -297,7 +310,7 @@ async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events:
                     raise APIError(499, "The client went away.") from None
                 continue
             if kind == "tokens":
-                tokens += payload
+                tokens[payload[0]] += payload[1]
             elif kind == "done":
                 return tokens, payload
             else:
@@ -307,8 +320,8 @@ async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events:
         raise
 
 
-def _whole_choice(tokenizer, tokens: list, stats: dict, chat: bool, options: Options) -> dict:
-    """A whole response's one choice: the message (gpt-oss: its reasoning apart) or the text."""
+def _whole_choice(tokenizer, tokens: list, stats: dict, chat: bool, options: Options, index: int) -> dict:
+    """A whole response's choice `index`: the message (gpt-oss: its reasoning apart) or the text."""
     text = "".join(t.text for t in tokens)
     finish = protocol.FINISH.get(stats["finish_reason"], "stop")
     if not chat:
@@ -317,18 +330,20 @@ def _whole_choice(tokenizer, tokens: list, stats: dict, chat: bool, options: Opt
             if options.want_logprobs
             else None
         )
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
     message = {"role": "assistant", "content": text}
     if markers := harmony_markers(tokenizer):  # gpt-oss: the reasoning apart
         reasoning, message["content"] = ChannelSplitter(markers).push(tokens)
         message["reasoning_content"] = reasoning or None
     logprobs = protocol.chat_logprobs(tokenizer, tokens, options.logprobs) if options.want_logprobs else None
-    return {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
 
-def _token_choice(tokenizer, tokens: list, chat: bool, options: Options, channels, offset: int) -> dict:
-    """A streamed chunk's choice for a batch of new tokens: a delta (gpt-oss: the reasoning apart,
-    through `channels`) or text; `offset`: the characters streamed before them."""
+def _token_choice(
+    tokenizer, tokens: list, chat: bool, options: Options, channels, offset: int, index: int
+) -> dict:
+    """A streamed chunk's choice `index` for a batch of its new tokens: a delta (gpt-oss: the
+    reasoning apart, through `channels`) or text; `offset`: the characters streamed before them."""
     text = "".join(t.text for t in tokens)
     if not chat:
         logprobs = (
@@ -336,7 +351,7 @@ def _token_choice(tokenizer, tokens: list, chat: bool, options: Options, channel
             if options.want_logprobs
             else None
         )
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
     logprobs = protocol.chat_logprobs(tokenizer, tokens, options.logprobs) if options.want_logprobs else None
     delta = {"content": text}
     if channels is not None:  # gpt-oss: the reasoning apart
@@ -344,7 +359,7 @@ def _token_choice(tokenizer, tokens: list, chat: bool, options: Options, channel
         delta = {"reasoning_content": reasoning} if reasoning else {}
         if answer or not reasoning:
             delta["content"] = answer
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
 
 def _metrics(state: ServerState) -> str:

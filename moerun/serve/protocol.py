@@ -1,8 +1,10 @@
 """OpenAI's API shapes: a request body checked field by field into a moerun.batching.Request, and
 the response objects (whole, and streamed chunk by chunk) built from the tokens that come back.
 
-Fields the API defines and moerun does not do (tools, `n` > 1, `echo`, `suffix`, ...) are refused
-with a 400 naming them; fields it does not know are ignored, as OpenAI's own server does.
+Fields the API defines and moerun does not do (tools, `echo`, `suffix`, ...) are refused with a 400
+naming them; fields it does not know are ignored, as OpenAI's own server does. `response_format`
+goes to Request.make, which compiles its grammar (moerun.text.grammar): a format it cannot enforce
+is a 400 naming what.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moerun.batching import Request, Token
+from moerun.text.grammar import GrammarError
 
 # OpenAI's finish reasons; moerun's "context" (the context filled) is OpenAI's "length"
 FINISH = {"stop": "stop", "length": "length", "context": "length"}
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # `n`; a server also refuses more than it runs at once (`parallel`)
 
 
 class APIError(Exception):
@@ -106,14 +110,10 @@ class Options:
 
 def generation_options(body: Body, chat: bool, context: int) -> tuple[dict, Options]:
     """The sampling, length and stop fields -> (keyword arguments of Request.make, Options)."""
-    if body.integer("n", 1, 1, 1) != 1:
-        raise bad("'n' must be 1: moerun returns one choice per request.", "n")
-    for unsupported in ("tools", "functions", "tool_choice", "response_format", "suffix", "best_of"):
-        if body.has(unsupported) and unsupported != "response_format":
+    n = body.integer("n", 1, 1, MAX_CHOICES)
+    for unsupported in ("tools", "functions", "tool_choice", "suffix", "best_of"):
+        if body.has(unsupported):
             raise bad(f"'{unsupported}' is not supported by this server.", unsupported)
-    fmt = body.data.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad('\'response_format\' other than {"type": "text"} is not supported.', "response_format")
     if body.flag("echo"):
         raise bad("'echo' is not supported by this server.", "echo")
     limit_name = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
@@ -154,7 +154,9 @@ def generation_options(body: Body, chat: bool, context: int) -> tuple[dict, Opti
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad("'stream_options' must be an object.", "stream_options")
     include_usage = bool(stream_options and stream_options.get("include_usage") is True)
-    kwargs = dict(sampling, max_new_tokens=max_tokens, stop=stops, logprobs=max(top, 1) if want else 0)
+    kwargs = dict(sampling, max_new_tokens=max_tokens, stop=stops, logprobs=max(top, 1) if want else 0, n=n)
+    if body.has("response_format"):
+        kwargs["response_format"] = body.data["response_format"]
     return kwargs, Options(stream, include_usage, top, want)
 
 
@@ -209,6 +211,8 @@ def make_request(model, prompt, kwargs: dict, ctx_size: int) -> Request:
     """Request.make with its refusals as 400s (a prompt longer than the context names both lengths)."""
     try:
         return Request.make(model, prompt, ctx_size=ctx_size, **kwargs)
+    except GrammarError as e:
+        raise bad(str(e), "response_format") from None
     except (ValueError, TypeError) as e:
         raise bad(str(e), "messages" if isinstance(prompt, list) else "prompt") from None
 
@@ -220,13 +224,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(stats: Mapping) -> dict:
-    prompt, new = stats["prompt_tokens"], stats["new_tokens"]
+def usage(stats: list[Mapping]) -> dict:
+    """Usage of a request from each choice's figures: the prompt, read once, and every choice's tokens."""
+    prompt, new = stats[0]["prompt_tokens"], sum(s["new_tokens"] for s in stats)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": new,
         "total_tokens": prompt + new,
-        "prompt_tokens_details": {"cached_tokens": stats.get("reused_tokens", 0)},
+        "prompt_tokens_details": {"cached_tokens": stats[0].get("reused_tokens", 0)},
     }
 
 

@@ -1,10 +1,11 @@
 """The server's scheduler: one thread owns the model and a moerun.batching.Batch and steps it while
 any request runs (continuous batching). Requests arrive from the HTTP side through `submit`; at most
-`parallel` run at once, the rest wait in order (up to `queue_size`, beyond which `submit` refuses).
-Before each step the waiting join as slots free and the cancelled leave; after it each request's
-released tokens go to its sink, a callable the HTTP side gave (it must not block: it hands the
-event to the event loop). A request's sink gets ("tokens", [Token, ...]) events, then one ("done",
-stats) or ("error", message).
+`parallel` sequences run at once (a request of `n` choices is n of them; one larger than `parallel`
+runs alone), the rest wait in order (up to `queue_size`, beyond which `submit` refuses). Before each
+step the waiting join as slots free and the cancelled leave; after it each request's released
+tokens go to its sink, a callable the HTTP side gave (it must not block: it hands the event to the
+event loop). A request's sink gets ("tokens", (choice index, [Token, ...])) events, then one
+("done", [stats of each choice]) or ("error", message).
 
 Prompt prefixes are reused across requests: the caches of the last `parallel` finished requests are
 kept with the ids they hold, and a new request whose prompt begins with one of them copies those
@@ -110,6 +111,10 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def running_sequences(self) -> int:
+        return sum(job.request.n for job in self._running)
+
     def close(self) -> None:
         with self._wake:
             self._stopping = True
@@ -138,7 +143,9 @@ class Scheduler:
         for job in [j for j in self._waiting if j.cancelled]:
             self._waiting.remove(job)
             self.counters.cancelled += 1
-        while self._waiting and len(self._running) < self.parallel:
+        while self._waiting and (
+            not self._running or self.running_sequences + self._waiting[0].request.n <= self.parallel
+        ):
             job = self._waiting.popleft()
             try:
                 job.generation = self.batch.add(job.request, self._best_prefix(job.request.prompt))
@@ -148,7 +155,7 @@ class Scheduler:
                 continue
             self.counters.prompt_tokens += len(job.request.prompt)
             self.counters.reused_tokens += job.generation.stats["reused_tokens"]
-            if job.generation.finished:  # nothing to generate (a zero budget)
+            if _finished(job):  # nothing to generate (a zero budget)
                 self._finish(job)
             else:
                 self._running.append(job)
@@ -178,7 +185,7 @@ class Scheduler:
                     job.sink(("error", message))
             return
         seconds = time.perf_counter() - start
-        by_generation = {id(job.generation): job for job in self._running}
+        by_generation = {id(choice): job for job in self._running for choice in job.generation.choices}
         new = 0
         for generation, tokens in released:
             job = by_generation[id(generation)]
@@ -186,12 +193,12 @@ class Scheduler:
             if tokens and not job.cancelled:
                 if job.first_token_s is None:
                     job.first_token_s = time.perf_counter() - job.submitted
-                job.sink(("tokens", tokens))
+                job.sink(("tokens", (generation.index, tokens)))
         c = self.counters
         c.steps, c.step_s, c.generated_tokens = c.steps + 1, c.step_s + seconds, c.generated_tokens + new
         c.recent.append((new, seconds))
         with self._wake:
-            for job in [j for j in self._running if j.generation.finished]:
+            for job in [j for j in self._running if _finished(j)]:
                 self._running.remove(job)
                 self._finish(job)
 
@@ -204,6 +211,10 @@ class Scheduler:
         generation = job.generation
         self._prefixes.append((generation.cache, generation.seen))
         self.counters.finished += 1
-        stats = dict(generation.stats, first_token_s=job.first_token_s)
+        stats = [dict(choice.stats, first_token_s=job.first_token_s) for choice in generation.choices]
         if not job.cancelled:
             job.sink(("done", stats))
+
+
+def _finished(job: Job) -> bool:
+    return all(choice.finished for choice in job.generation.choices)

@@ -1,0 +1,244 @@
+"""Structured output: what a generation's text must match (a JSON schema, any JSON object, a Lark or
+GBNF grammar), enforced as a token mask by llguidance, the grammar engine llama.cpp uses.
+
+`Grammar` says what the text must match; `Grammar.compile(tokenizer, vocab_size, eos_ids)` checks it
+against one vocabulary (every schema keyword the engine does not enforce is refused, named) and gives
+a `CompiledGrammar`, from which each sequence takes its own `Matcher`. At each step the batch asks
+every constrained sequence's matcher for its mask in one call (`fill_masks`, the engine's threads
+computing them side by side) and sets the logits of every token the grammar forbids to -inf
+(`apply_masks`) before the sampler sees them. End-of-sequence ids are allowed only where the text
+so far is complete. llguidance is an optional dependency (`pip install 'moerun[structured]'`);
+without it a constrained request is refused with that sentence.
+
+Why llguidance rather than xgrammar: it names every JSON-schema keyword it cannot enforce, where
+xgrammar 0.2.9 accepts `not`, `if`/`then`, `uniqueItems`, `contains` and unknown formats and ignores
+them (output that does not validate); it has no dependencies (xgrammar requires transformers, triton
+and pydantic); a new schema compiles in about 1 ms rather than 36-151 ms. Its masks cost more per
+token (see docs/PERFORMANCE.md, `python bench/grammar_engines.py`)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from moerun.text.tokenizer import Tokenizer
+
+INSTALL = "pip install 'moerun[structured]' (the llguidance grammar engine)"
+# JSON as the model writes it under a schema: one space after ',' and ':' (as json.dumps writes it),
+# no other whitespace, so a model cannot run on in blank lines; unimplemented keywords refused.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OVERRIDES = {"lenient": False}
+MAX_GRAMMAR_BYTES = 1 << 20
+
+
+class GrammarError(ValueError):
+    """A response format or grammar that cannot be enforced: malformed, using a feature the engine
+    does not enforce (named), or the engine not installed."""
+
+
+def engine():
+    """The llguidance module, or GrammarError saying how to install it."""
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError(f"Structured output needs the grammar engine: {INSTALL}.") from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a generation's text must match: `definition` in llguidance's grammar format, `source`
+    naming it in messages ("the JSON schema 'person'", "the grammar in g.gbnf")."""
+
+    definition: str
+    source: str
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool, name: str | None = None) -> Grammar:
+        """Text that parses as JSON and validates against `schema` (a JSON Schema object)."""
+        source = f"the JSON schema {name!r}" if name else "the JSON schema"
+        if not isinstance(schema, dict | bool):
+            raise GrammarError(f"{source} must be a JSON object, not {type(schema).__name__}.")
+        text = _bounded_json(schema, source)
+        try:
+            definition = engine().LLMatcher.grammar_from_json_schema(text, JSON_OPTIONS, JSON_OVERRIDES)
+        except ValueError as e:
+            raise GrammarError(f"{source} is not valid: {_short(e)}") from None
+        return cls(definition, source)
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        """Any JSON object (OpenAI's `{"type": "json_object"}`)."""
+        grammar = cls.json_schema({"type": "object"})
+        return cls(grammar.definition, "a JSON object")
+
+    @classmethod
+    def text(cls, text: str, source: str = "the grammar") -> Grammar:
+        """A grammar in llguidance's Lark syntax or in llama.cpp's GBNF (told apart by their syntax:
+        GBNF's rules are `name ::= ...`, Lark's `name: ...`); both start at the rule `root` (GBNF)
+        or `start` (Lark)."""
+        if not isinstance(text, str) or not text.strip():
+            raise GrammarError(f"{source} is empty.")
+        if len(text.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
+            raise GrammarError(f"{source} is longer than {MAX_GRAMMAR_BYTES} bytes.")
+        llg = engine()
+        try:
+            from llguidance.gbnf_to_lark import any_to_lark
+
+            lark = any_to_lark(text)
+        except Exception as e:  # the converter raises its own error types
+            raise GrammarError(f"{source} is neither Lark nor GBNF: {_short(e)}") from None
+        return cls(llg.LLMatcher.grammar_from_lark(lark), source)
+
+    def compile(self, tokenizer: Tokenizer, vocab_size: int, eos_ids) -> CompiledGrammar:
+        """This grammar over one vocabulary (`vocab_size`: the logits' width; `eos_ids`: the ids that
+        end a generation, allowed only where the text is complete); GrammarError naming what the
+        engine refuses (an unimplemented schema keyword, a bad rule)."""
+        llg = engine()
+        vocab = _engine_tokenizer(tokenizer, vocab_size, tuple(sorted(eos_ids)))
+        matcher = llg.LLMatcher(vocab, self.definition, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"{self.source} cannot be enforced: {_short(matcher.get_error())}")
+        return CompiledGrammar(self, matcher, vocab.vocab_size)
+
+
+def response_format_grammar(fmt) -> Grammar | None:
+    """OpenAI's `response_format` -> the Grammar it asks for (None for `{"type": "text"}`), or
+    GrammarError naming the field that is wrong."""
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise GrammarError('response_format must be an object with a "type".')
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind != "json_schema":
+        raise GrammarError(
+            f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}.'
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise GrammarError('response_format.json_schema must be an object with a "schema".')
+    name = spec.get("name")
+    if name is not None and not isinstance(name, str):
+        raise GrammarError("response_format.json_schema.name must be a string.")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise GrammarError("response_format.json_schema.strict must be true or false.")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise GrammarError("response_format.json_schema.schema must be a JSON schema object.")
+    return Grammar.json_schema(schema, name)
+
+
+class CompiledGrammar:
+    """A grammar checked against one vocabulary of `mask_vocab` ids (at least the logits' width);
+    `matcher()` gives a sequence its own state."""
+
+    def __init__(self, grammar: Grammar, pristine, mask_vocab: int):
+        self.grammar, self._pristine, self.mask_vocab = grammar, pristine, mask_vocab
+
+    def matcher(self) -> Matcher:
+        return Matcher(self._pristine.deep_copy(), self.grammar.source)
+
+
+class Matcher:
+    """One sequence's place in its grammar: `advance(token)` after each token picked; `done` once
+    nothing but the end can follow."""
+
+    def __init__(self, state, source: str):
+        self.state, self.source = state, source
+
+    def advance(self, token_id: int) -> None:
+        """Take the token picked (one the mask allowed)."""
+        if not self.state.consume_token(int(token_id)):
+            error = self.state.get_error()
+            raise RuntimeError(f"{self.source}: token {token_id} broke the grammar ({error}).")
+
+    @property
+    def done(self) -> bool:
+        """Whether the text is complete and nothing may follow (the generation ends here)."""
+        return self.state.is_stopped()
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one sequence's mask (a bit per token)."""
+    return (vocab_size + 31) // 32
+
+
+_executor = None
+_executor_lock = threading.Lock()
+
+
+def fill_masks(matchers: list[Matcher], vocab_size: int) -> torch.Tensor:
+    """The allowed tokens of each matcher, as bits: int32 [n, mask_words(vocab_size)] on the CPU,
+    computed in one call on the engine's threads."""
+    global _executor
+    llg = engine()
+    with _executor_lock:
+        if _executor is None:
+            _executor = llg.LLExecutor()
+    masks = torch.empty((len(matchers), mask_words(vocab_size)), dtype=torch.int32)
+    pairs = [(m.state, i) for i, m in enumerate(matchers)]
+    _executor.unsafe_compute_mask_ptr(pairs, masks.data_ptr(), masks.shape[1] * 4, len(matchers))
+    return masks
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] with every token whose bit in masks [n, words] is clear set to -inf (a new
+    tensor, on the logits' device)."""
+    n, V = logits.shape
+    masks = masks.to(logits.device)
+    bits = (masks.unsqueeze(-1) >> _BITS.to(logits.device)) & 1  # [n, words, 32]
+    allowed = bits.view(n, -1)[:, :V].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+# --- the engine's view of a vocabulary, built once per (tokenizer, width, end ids): ~1 s at 152k ---
+
+_vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_vocab_lock = threading.Lock()
+
+
+def _engine_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+    llg = engine()
+    key = (vocab_size, eos_ids)
+    with _vocab_lock:
+        built = _vocabularies.setdefault(tokenizer, {})
+        if key not in built:
+            if not eos_ids:
+                raise GrammarError(f"{tokenizer.source} names no end-of-sequence token to end a grammar.")
+            try:
+                built[key] = llg.LLTokenizer(
+                    tokenizer.backend.to_str(),
+                    n_vocab=max(vocab_size, tokenizer.vocab_size),
+                    eos_token=list(eos_ids),
+                )
+            except Exception as e:  # the engine reads tokenizer.json with its own parser
+                raise GrammarError(
+                    f"The grammar engine cannot read the vocabulary of {tokenizer.source}: {_short(e)}"
+                ) from None
+        return built[key]
+
+
+def _bounded_json(schema, source: str) -> str:
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise GrammarError(f"{source} cannot be written as JSON: {_short(e)}") from None
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"{source} is longer than {MAX_GRAMMAR_BYTES} bytes.")
+    return text
+
+
+def _short(error) -> str:
+    text = str(error).strip().replace("\n", " ")
+    return text if len(text) <= 300 else text[:297] + "..."

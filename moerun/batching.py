@@ -36,6 +36,7 @@ from moerun.text.grammar import (
     Matcher,
     apply_masks,
     fill_masks,
+    mask_bias,
     response_format_grammar,
 )
 from moerun.text.stops import StopMatcher
@@ -393,6 +394,8 @@ class Batch:
             return logits
         grammar = ready[constrained[0]].request.grammar
         masks = fill_masks([ready[j].matcher for j in constrained], grammar.mask_vocab)
+        if len(constrained) == len(ready):
+            return apply_masks(logits, masks)
         rows = torch.tensor(constrained, device=logits.device)
-        logits[rows] = apply_masks(logits[rows], masks)
+        logits[rows] += mask_bias(masks, logits.shape[1], logits.device)
         return logits

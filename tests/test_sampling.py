@@ -146,3 +146,27 @@ def test_argmax_only_means_the_sampler_picks_each_rows_argmax(options, argmax_on
         seen = logits.argmax(dim=-1).tolist()  # a penalty would move these
         picked = [sampler(row, seen, seen) for row in logits]
         assert picked == logits.argmax(dim=-1).tolist() and picked[2] == 7
+
+
+def test_a_grammar_mask_sets_exactly_the_forbidden_tokens_to_minus_inf():
+    """moerun.text.grammar's masks (a bit per token, llguidance's layout: bit t % 32 of int32 word
+    t // 32) against the bits read one by one in Python; the allowed logits are left bit for bit."""
+    from moerun.text.grammar import apply_masks
+
+    vocab = 100  # not a multiple of 32: the last word's high bits are past the vocabulary
+    gen = torch.Generator().manual_seed(0)
+    masks = torch.randint(-(2**31), 2**31 - 1, (3, 4), dtype=torch.int32, generator=gen)
+    logits = torch.randn(3, vocab, generator=gen)
+    out = apply_masks(logits.clone(), masks)
+    for row in range(3):
+        for token in range(vocab):
+            word = int(masks[row, token // 32]) & 0xFFFFFFFF
+            allowed = (word >> (token % 32)) & 1
+            assert out[row, token].item() == (logits[row, token].item() if allowed else float("-inf"))
+    # a sampler never picks a forbidden token, and log-probabilities renormalise over the allowed
+    from moerun.sampling import token_logprobs
+
+    picks = {Sampler(SamplingParams(temperature=1.0, seed=s))(out[0]) for s in range(20)}
+    assert all((int(masks[0, t // 32]) & 0xFFFFFFFF) >> (t % 32) & 1 for t in picks)
+    _, top = token_logprobs(out[0], next(iter(picks)), vocab)
+    assert abs(sum(torch.tensor([lp for _, lp in top]).exp().tolist()) - 1) < 1e-5

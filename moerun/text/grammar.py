@@ -189,17 +189,23 @@ def fill_masks(matchers: list[Matcher], vocab_size: int) -> torch.Tensor:
     return masks
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+# byte value -> the 8 tokens it covers, as what to add to their logits: 0 (allowed) or -inf
+_BYTE_BIAS = torch.where((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 1, 0.0, float("-inf"))
+
+
+def mask_bias(masks: torch.Tensor, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """masks int32 [n, words] (a bit per token) -> float32 [n, vocab_size] on `device`: 0 where the
+    bit is set, -inf where it is clear, to add to the logits. A table lookup per mask byte: its cost
+    does not depend on which tokens are allowed (a masked_fill's does, through branches)."""
+    n = masks.shape[0]
+    table = _BYTE_BIAS.to(device)
+    by_byte = masks.contiguous().view(torch.uint8).reshape(-1).to(device=device, dtype=torch.long)
+    return table.index_select(0, by_byte).view(n, -1)[:, :vocab_size]
 
 
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """logits [n, V] with every token whose bit in masks [n, words] is clear set to -inf (a new
-    tensor, on the logits' device)."""
-    n, V = logits.shape
-    masks = masks.to(logits.device)
-    bits = (masks.unsqueeze(-1) >> _BITS.to(logits.device)) & 1  # [n, words, 32]
-    allowed = bits.view(n, -1)[:, :V].bool()
-    return logits.masked_fill(~allowed, float("-inf"))
+    """logits [n, V] with every token whose bit in masks [n, words] is clear at -inf (in place)."""
+    return logits.add_(mask_bias(masks, logits.shape[1], logits.device))
 
 
 # --- the engine's view of a vocabulary, built once per (tokenizer, width, end ids): ~1 s at 152k ---

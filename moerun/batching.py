@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,9 +36,9 @@ from moerun.text.grammar import (
     GrammarError,
     Matcher,
     apply_masks,
-    fill_masks,
     mask_bias,
     response_format_grammar,
+    start_masks,
 )
 from moerun.text.stops import StopMatcher
 from moerun.text.tokenizer import StreamDecoder, Tokenizer
@@ -360,16 +361,18 @@ class Batch:
             return []
         decoded = [s.stats["new_tokens"] > 0 for s in stepping]  # else this step's time is prefill's
         start = time.perf_counter()
-        hidden = self.model.forward_sequences(inputs, [s.cache for s in stepping])  # [S, H]
-        ready_at = [i for i, s in enumerate(stepping) if s.cache.length == len(s.seen)]
+        # the sequences that pick a token this step: those whose input reaches the end of `seen`
+        ready_at = [i for i, s in enumerate(stepping) if s.cache.length + len(inputs[i]) == len(s.seen)]
         ready = [stepping[i] for i in ready_at]
+        masks = self._start_masks(ready)  # the grammars' masks, computed while the model runs
+        hidden = self.model.forward_sequences(inputs, [s.cache for s in stepping])  # [S, H]
         out = []
         if ready:
             if len(stepping) == 1:
                 logits = self.model.hidden_logits(hidden[0]).unsqueeze(0)  # [1, V] fp32
             else:
                 logits = self.model.hidden_logits(hidden[torch.tensor(ready_at)])  # [S', V] fp32
-            logits = self._masked(logits, ready)
+            logits = self._masked(logits, ready, masks)
             # the greedy sequences' tokens from one argmax call (each row's the same as its own)
             greedy = [s.argmax_only for s in ready]
             argmaxes = logits.argmax(dim=-1).tolist() if any(greedy) else None
@@ -386,14 +389,20 @@ class Batch:
         return out
 
     @staticmethod
-    def _masked(logits: torch.Tensor, ready: list[Generation]) -> torch.Tensor:
-        """logits [S', V] with the tokens each constrained sequence's grammar forbids at -inf (the
-        masks of all of them computed in one call)."""
-        constrained = [j for j, s in enumerate(ready) if s.matcher is not None]
+    def _start_masks(ready: list[Generation]) -> Future | None:
+        """The masks of the constrained sequences among `ready`, in one call on a background thread."""
+        constrained = [s for s in ready if s.matcher is not None]
         if not constrained:
+            return None
+        return start_masks([s.matcher for s in constrained], constrained[0].request.grammar.mask_vocab)
+
+    @staticmethod
+    def _masked(logits: torch.Tensor, ready: list[Generation], pending: Future | None) -> torch.Tensor:
+        """logits [S', V] with the tokens each constrained sequence's grammar forbids at -inf."""
+        if pending is None:
             return logits
-        grammar = ready[constrained[0]].request.grammar
-        masks = fill_masks([ready[j].matcher for j in constrained], grammar.mask_vocab)
+        masks = pending.result()
+        constrained = [j for j, s in enumerate(ready) if s.matcher is not None]
         if len(constrained) == len(ready):
             return apply_masks(logits, masks)
         rows = torch.tensor(constrained, device=logits.device)

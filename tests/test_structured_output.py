@@ -18,6 +18,7 @@ import moerun
 from moerun import Grammar, GrammarError
 from moerun.batching import Batch, Request
 from moerun.cli.main import main
+from moerun.text.grammar import lark_json
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -221,6 +222,16 @@ def test_a_grammar_in_gbnf_or_lark(model):
             fmt = Grammar.text(text)
             out = _text(model.generate("?", 20, temperature=1.0, seed=seed, response_format=fmt))
             assert out in ("yes", "no") or (out[:6] == "maybe " and out[6:].isdigit() and len(out) == 7), out
+
+
+def test_json_inside_a_grammar(model):
+    """JSON under a schema inside other text (as a tool call wraps its arguments): the text between
+    the markers validates."""
+    grammar = Grammar.text('start: "<call>" args "</call>"\nargs: ' + lark_json(NUMBERS))
+    for seed in range(2):
+        text = _text(model.generate("?", BUDGET, temperature=1.0, seed=seed, response_format=grammar))
+        assert text.startswith("<call>") and text.endswith("</call>"), text
+        jsonschema.validate(json.loads(text[len("<call>") : -len("</call>")]), NUMBERS)
 
 
 def test_what_cannot_be_enforced_is_refused_by_name(model):

@@ -5,8 +5,9 @@ GBNF grammar), enforced as a token mask by llguidance, the grammar engine llama.
 against one vocabulary (every schema keyword the engine does not enforce is refused, named) and gives
 a `CompiledGrammar`, from which each sequence takes its own `Matcher`. At each step the batch asks
 every constrained sequence's matcher for its mask in one call (`fill_masks`, the engine's threads
-computing them side by side) and sets the logits of every token the grammar forbids to -inf
-(`apply_masks`) before the sampler sees them. End-of-sequence ids are allowed only where the text
+computing them side by side; `start_masks` runs it on a thread while the step's forward pass runs)
+and adds -inf to the logits of every token the grammar forbids (`mask_bias`, `apply_masks`) before
+the sampler sees them. End-of-sequence ids are allowed only where the text
 so far is complete. llguidance is an optional dependency (`pip install 'moerun[structured]'`);
 without it a constrained request is refused with that sentence.
 
@@ -18,6 +19,7 @@ token (see docs/PERFORMANCE.md, `python bench/grammar_engines.py`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import weakref
@@ -108,6 +110,16 @@ class Grammar:
         return CompiledGrammar(self, matcher, vocab.vocab_size)
 
 
+def lark_json(schema: dict) -> str:
+    """A Lark rule body matching JSON valid under `schema`, written as Grammar.json_schema writes
+    JSON (for a grammar that wraps JSON in other text, e.g. a tool call's markers):
+    `Grammar.text('start: "<tool_call>" call "</tool_call>"\ncall: ' + lark_json(schema))`."""
+    if not isinstance(schema, dict):
+        raise GrammarError(f"A JSON schema must be a JSON object, not {type(schema).__name__}.")
+    options = {**JSON_OPTIONS, **schema.get("x-guidance", {}), **JSON_OVERRIDES}
+    return "%json " + _bounded_json({**schema, "x-guidance": options}, "the JSON schema")
+
+
 def response_format_grammar(fmt) -> Grammar | None:
     """OpenAI's `response_format` -> the Grammar it asks for (None for `{"type": "text"}`), or
     GrammarError naming the field that is wrong."""
@@ -187,6 +199,16 @@ def fill_masks(matchers: list[Matcher], vocab_size: int) -> torch.Tensor:
     pairs = [(m.state, i) for i, m in enumerate(matchers)]
     _executor.unsafe_compute_mask_ptr(pairs, masks.data_ptr(), masks.shape[1] * 4, len(matchers))
     return masks
+
+
+_background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moerun-grammar")
+
+
+def start_masks(matchers: list[Matcher], vocab_size: int) -> concurrent.futures.Future:
+    """fill_masks on a background thread: a step starts its masks before its forward pass and
+    collects them after, so on a GPU the engine's work hides behind the model's (the engine lets go
+    of the GIL while it computes). The matchers must not move until the result is taken."""
+    return _background.submit(fill_masks, matchers, vocab_size)
 
 
 # byte value -> the 8 tokens it covers, as what to add to their logits: 0 (allowed) or -inf

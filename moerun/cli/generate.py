@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from moerun import Grammar
+import moerun
 from moerun.cli.common import (
     INTERRUPTED,
     add_generation_arguments,
@@ -113,7 +113,7 @@ def response_format(args: argparse.Namespace):
         spec = {"name": Path(args.json_schema).stem, "schema": schema}
         return {"type": "json_schema", "json_schema": spec}
     if args.grammar is not None:
-        return Grammar.text(read_text(args.grammar, "--grammar"), f"--grammar {args.grammar}")
+        return moerun.Grammar.text(read_text(args.grammar, "--grammar"), f"--grammar {args.grammar}")
     return None
 
 

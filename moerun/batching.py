@@ -49,9 +49,10 @@ if TYPE_CHECKING:
 
 __all__ = ["FINISH_REASONS", "Batch", "Generation", "Grammar", "GrammarError", "Request", "Token"]
 
-# a sequence's finish_reason: "stop" (an end-of-sequence id or a stop string), "length" (its token
-# budget), "context" (its context filled first), "cancelled"; None while it runs
-FINISH_REASONS = ("stop", "length", "context", "cancelled")
+# a sequence's finish_reason: "stop" (an end-of-sequence id, a stop string or a complete grammar),
+# "length" (its token budget), "context" (its context filled first), "cancelled", "error" (its grammar
+# engine failed; stats["error"] says how); None while it runs
+FINISH_REASONS = ("stop", "length", "context", "cancelled", "error")
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,11 @@ class Generation:
         self.stats["new_tokens"] += 1
         complete = False
         if self.matcher is not None and next_id not in self.eos:
-            self.matcher.advance(next_id)
+            try:
+                self.matcher.advance(next_id)
+            except GrammarError as e:  # this sequence ends; the batch goes on
+                self.stats["finish_reason"], self.stats["error"] = "error", str(e)
+                return []
             complete = self.matcher.done  # nothing may follow: no need to wait for an end id
         last = next_id in self.eos or complete or self.steps_left == 0
         released, stopped = self.text.push(token, last) if self.text is not None else ([token], False)

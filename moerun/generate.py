@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from moerun.batching import FINISH_REASONS, Batch, Generation, Request, Token, prompt_ids
+from moerun.batching import FINISH_REASONS, Batch, Generation, GrammarError, Request, Token, prompt_ids
 
 __all__ = ["FINISH_REASONS", "Generator", "Token", "prompt_ids"]
 
@@ -114,6 +114,8 @@ class Generator:
         while batch.running:
             for _, tokens in batch.step():
                 yield from tokens
+        if "error" in sequence.stats:
+            raise GrammarError(sequence.stats["error"])
 
     def _batch(self, requests: list[Request], parallel: int) -> list[list[Token]]:
         """Every request's tokens (each choice's, in order), at most `parallel` requests running at

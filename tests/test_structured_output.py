@@ -214,6 +214,23 @@ def _run(model, requests) -> list[list[int]]:
     return [ids[id(s)] for s in sequences]
 
 
+def test_a_grammar_the_engine_breaks_down_on_ends_only_its_own_sequence(model):
+    """A special token's text spelled as a literal makes llguidance allow that token and then refuse
+    it: that sequence ends with finish_reason "error" (generate raises GrammarError), the others in
+    the batch go on as if alone."""
+    broken = Grammar.text('start: "<|im_start|>" "x"')
+    with pytest.raises(GrammarError, match="broke down at token"):
+        list(model.generate("hi", 6, response_format=broken))
+    batch = Batch(model)
+    free = batch.add(Request.make(model, "The quick brown", 6))
+    failed = batch.add(Request.make(model, "hi", 6, response_format=broken))
+    ids = []
+    while batch.running:
+        ids += [t.id for s, tokens in batch.step() if s is free for t in tokens]
+    assert failed.stats["finish_reason"] == "error" and "broke down" in failed.stats["error"]
+    assert ids == [t.id for t in model.generate("The quick brown", 6)]
+
+
 def test_a_grammar_in_gbnf_or_lark(model):
     gbnf = 'root ::= "yes" | "no" | "maybe " [0-9]'
     lark = 'start: "yes" | "no" | "maybe " /[0-9]/'

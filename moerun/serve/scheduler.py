@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moerun.batching import Batch, Generation, Request
+from moerun.batching import Batch, Generation, Request, end_ids
+from moerun.text import grammar
 
 if TYPE_CHECKING:
     from moerun.decoder.kv_cache import KVCache
@@ -124,6 +125,8 @@ class Scheduler:
     # --- the scheduler thread ---
 
     def _loop(self) -> None:
+        model = self.model
+        grammar.prepare(model.tokenizer, model.config.vocab_size, end_ids(model))
         while True:
             with self._wake:
                 while not self._stopping and not self._waiting and not self._running:
@@ -210,10 +213,14 @@ class Scheduler:
     def _finish(self, job: Job) -> None:
         generation = job.generation
         self._prefixes.append((generation.cache, generation.seen))
-        self.counters.finished += 1
         stats = [dict(choice.stats, first_token_s=job.first_token_s) for choice in generation.choices]
+        errors = [s["error"] for s in stats if "error" in s]  # a grammar that broke down
+        if errors:
+            self.counters.failed += 1
+        else:
+            self.counters.finished += 1
         if not job.cancelled:
-            job.sink(("done", stats))
+            job.sink(("error", errors[0]) if errors else ("done", stats))
 
 
 def _finished(job: Job) -> bool:

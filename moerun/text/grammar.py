@@ -20,6 +20,7 @@ token (see docs/PERFORMANCE.md, `python bench/grammar_engines.py`)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import threading
 import weakref
@@ -167,10 +168,12 @@ class Matcher:
         self.state, self.source = state, source
 
     def advance(self, token_id: int) -> None:
-        """Take the token picked (one the mask allowed)."""
+        """Take the token picked (one the mask allowed); GrammarError if the engine refuses it all
+        the same (a grammar that spells a special token as text, e.g. "<|im_end|>" where Lark's
+        <|im_end|> is meant, gets such a mask)."""
         if not self.state.consume_token(int(token_id)):
-            error = self.state.get_error()
-            raise RuntimeError(f"{self.source}: token {token_id} broke the grammar ({error}).")
+            error = _short(self.state.get_error().splitlines()[0] if self.state.get_error() else "")
+            raise GrammarError(f"{self.source} broke down at token {token_id}: {error}")
 
     @property
     def done(self) -> bool:
@@ -234,6 +237,15 @@ def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
 
 _vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _vocab_lock = threading.Lock()
+
+
+def prepare(tokenizer: Tokenizer | None, vocab_size: int, eos_ids) -> None:
+    """Build the engine's view of this vocabulary now, if the engine is installed (a server does it
+    on its own thread at start, so its first constrained request does not wait ~1-4 s for it)."""
+    if tokenizer is None or not eos_ids:
+        return
+    with contextlib.suppress(GrammarError):  # not installed, or a vocabulary it cannot read: said on use
+        _engine_tokenizer(tokenizer, vocab_size, tuple(sorted(eos_ids)))
 
 
 def _engine_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):

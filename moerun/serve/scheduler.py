@@ -84,6 +84,9 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="moerun-scheduler", daemon=True)
         self._thread.start()
+        # the grammar engine's view of the vocabulary (1-4 s at 150k ids), before a request needs it
+        vocabulary = (model.tokenizer, model.config.vocab_size, end_ids(model))
+        threading.Thread(target=grammar.prepare, args=vocabulary, name="moerun-grammar", daemon=True).start()
 
     # --- the HTTP side ---
 
@@ -125,8 +128,6 @@ class Scheduler:
     # --- the scheduler thread ---
 
     def _loop(self) -> None:
-        model = self.model
-        grammar.prepare(model.tokenizer, model.config.vocab_size, end_ids(model))
         while True:
             with self._wake:
                 while not self._stopping and not self._waiting and not self._running:

@@ -216,16 +216,18 @@ def start_masks(matchers: list[Matcher], vocab_size: int) -> concurrent.futures.
 
 # byte value -> the 8 tokens it covers, as what to add to their logits: 0 (allowed) or -inf
 _BYTE_BIAS = torch.where((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 1, 0.0, float("-inf"))
+_byte_bias: dict[torch.device, torch.Tensor] = {}  # the table on each device it was asked for
 
 
 def mask_bias(masks: torch.Tensor, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """masks int32 [n, words] (a bit per token) -> float32 [n, vocab_size] on `device`: 0 where the
     bit is set, -inf where it is clear, to add to the logits. A table lookup per mask byte: its cost
     does not depend on which tokens are allowed (a masked_fill's does, through branches)."""
-    n = masks.shape[0]
-    table = _BYTE_BIAS.to(device)
-    by_byte = masks.contiguous().view(torch.uint8).reshape(-1).to(device=device, dtype=torch.long)
-    return table.index_select(0, by_byte).view(n, -1)[:, :vocab_size]
+    n, device = masks.shape[0], torch.device(device)
+    if device not in _byte_bias:
+        _byte_bias[device] = _BYTE_BIAS.to(device)
+    by_byte = masks.contiguous().view(torch.uint8).reshape(-1).to(device).long()  # 1 byte a token
+    return _byte_bias[device].index_select(0, by_byte).view(n, -1)[:, :vocab_size]
 
 
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:

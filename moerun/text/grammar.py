@@ -114,10 +114,11 @@ class Grammar:
 def lark_json(schema: dict) -> str:
     """A Lark rule body matching JSON valid under `schema`, written as Grammar.json_schema writes
     JSON (for a grammar that wraps JSON in other text, e.g. a tool call's markers):
-    `Grammar.text('start: "<tool_call>" call "</tool_call>"\ncall: ' + lark_json(schema))`."""
+    `Grammar.text('start: "<tool_call>" call "</tool_call>"\\ncall: ' + lark_json(schema))`."""
     if not isinstance(schema, dict):
         raise GrammarError(f"A JSON schema must be a JSON object, not {type(schema).__name__}.")
-    options = {**JSON_OPTIONS, **schema.get("x-guidance", {}), **JSON_OVERRIDES}
+    own = schema.get("x-guidance")  # llguidance's options inside a schema
+    options = {**JSON_OPTIONS, **(own if isinstance(own, dict) else {}), **JSON_OVERRIDES}
     return "%json " + _bounded_json({**schema, "x-guidance": options}, "the JSON schema")
 
 

@@ -70,7 +70,7 @@ ALLOWED = {
         "serve",
         "distributed",
     },  # fmt: skip
-    "serve": {"batching.py", "decoder"},
+    "serve": {"batching.py", "decoder", "text"},
     "cli": {
         "moerun",
         "serve",

@@ -1,7 +1,7 @@
 """gpt-oss's reasoning channel through the server: a reply in OpenAI's harmony format comes back
 with the analysis channel as `reasoning_content` and the final channel as `content`, whole and
 streamed. The model's own choice is scripted (its logits replaced by the reply's ids, one a step),
-so the test is of the server's reading of the format; the splitter also runs on moerun's text
+so the test is of the server's reading of the format; the parser also runs on moerun's text
 stream of the same ids."""
 
 import json
@@ -14,7 +14,7 @@ from tiny_tokenizers import byte_level_tokenizer, save_hf_dir
 
 import moerun
 from moerun.batching import TextRelease, Token
-from moerun.serve.harmony import ChannelSplitter, harmony_markers
+from moerun.text.reply import ReplyDelta, ReplyFormat
 
 pytest.importorskip("uvicorn")
 from moerun.serve.server import start  # noqa: E402
@@ -41,17 +41,18 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def test_the_splitter_on_moerun_s_text_stream(checkpoint):
+def test_the_parser_on_moerun_s_text_stream(checkpoint):
     tokenizer = moerun.load(checkpoint, dtype=torch.float32).tokenizer
     ids = tokenizer.encode(REPLY, add_special_tokens=False)
-    release, splitter = TextRelease(tokenizer, []), ChannelSplitter(harmony_markers(tokenizer))
-    reasoning = content = ""
+    fmt = ReplyFormat.of(tokenizer, "gpt_oss")
+    assert fmt.harmony
+    release, parser, reply = TextRelease(tokenizer, []), fmt.parser(), ReplyDelta()
     for i, token_id in enumerate(ids):
         out, _ = release.push(Token(token_id), i == len(ids) - 1)
-        r, c = splitter.push(out)
-        reasoning, content = reasoning + r, content + c
-    assert reasoning == "The user greets; answer briefly, café."
-    assert content == "Hello there, café!"
+        reply.add(parser.push_tokens(out))
+    reply.add(parser.finish())
+    assert reply.reasoning == "The user greets; answer briefly, café."
+    assert reply.content == "Hello there, café!"
 
 
 @pytest.fixture(scope="module")
@@ -106,4 +107,4 @@ def test_streamed_the_reasoning_comes_as_its_own_deltas(server):
 
 
 def test_a_tokenizer_without_the_markers_is_not_split():
-    assert harmony_markers(None) is None
+    assert not ReplyFormat.of(None).harmony

@@ -20,9 +20,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from moerun.serve import protocol
-from moerun.serve.harmony import ChannelSplitter, harmony_markers
-from moerun.serve.protocol import APIError, Body, Options, bad
+from moerun.serve.choices import ChatChoice, text_choice, text_chunk
+from moerun.serve.protocol import APIError, Body, bad
 from moerun.serve.scheduler import Job, QueueFull, Scheduler
+from moerun.text.reply import ReplyFormat, ReplyParser
 
 MAX_BODY = 4 << 20  # bytes of a request body
 POLL_S = 0.25  # how often a whole-response request checks that its client is still there
@@ -105,6 +106,7 @@ class Routes:
 
     def __init__(self, state: ServerState):
         self.state = state
+        self._format: tuple[object, ReplyFormat] | None = None  # (model, its reply format)
 
     # --- the checks ---
 
@@ -129,6 +131,15 @@ class Routes:
             )
             raise APIError(503, message, None, "model_not_ready")
         return state.model, state.scheduler
+
+    def reply_format(self, model) -> ReplyFormat:
+        """How `model` writes a chat reply (its reasoning, its tool calls), found once; a chat needs
+        a tokenizer."""
+        if model.tokenizer is None:
+            raise bad("This model has no tokenizer, so it cannot chat.", "messages")
+        if self._format is None or self._format[0] is not model:
+            self._format = (model, ReplyFormat.of(model.tokenizer, model.config.model_type))
+        return self._format[1]
 
     def check_model_name(self, body: Body) -> None:
         name, served = body.text("model"), self.state.model_name
@@ -156,7 +167,13 @@ class Routes:
         self.check_model_name(body)
         context = self.state.context
         kwargs, options = protocol.generation_options(body, chat, context)
-        job_request = protocol.make_request(model, _prompt(model, body, chat), kwargs, context)
+        reply = None
+        if chat:
+            prompt, parser = _chat_prompt(model, body, self.reply_format(model))
+            reply = ChatChoice(parser, model.tokenizer, options)
+        else:
+            prompt = _prompt(model, body)
+        job_request = protocol.make_request(model, prompt, kwargs, context)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -170,20 +187,27 @@ class Routes:
         response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         if options.stream:
             return StreamingResponse(
-                self._stream(model, scheduler, job, events, chat, options, response_id),
+                self._stream(model.tokenizer, scheduler, job, events, reply, options, response_id),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         tokens, stats = await _collect(request, scheduler, job, events)
-        choice = _whole_choice(model.tokenizer, tokens, stats, chat, options)
+        if reply is not None:
+            choice = reply.whole(tokens, stats)
+        else:
+            choice = text_choice(model.tokenizer, tokens, stats, options)
         kind = "chat.completion" if chat else "text_completion"
         return JSONResponse(
             protocol.envelope(kind, response_id, self.state.model_name, [choice], usage=protocol.usage(stats))
         )
 
-    async def _stream(self, model, scheduler, job, events, chat, options, response_id) -> AsyncIterator[str]:
-        """The job's events as server-sent events: a chunk per batch of tokens, the finish reason (and
-        usage when asked), then [DONE]; the job is cancelled if the client goes away first."""
+    async def _stream(
+        self, tokenizer, scheduler, job, events, reply: ChatChoice | None, options, response_id
+    ) -> AsyncIterator[str]:
+        """The job's events as server-sent events: a chunk per batch of tokens (a chat's tool calls
+        in chunks of their own), the finish reason (and usage when asked), then [DONE]; the job is
+        cancelled if the client goes away first. `reply`: a chat's choice, None for a completion."""
+        chat = reply is not None
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict, **extra) -> str:
@@ -192,21 +216,25 @@ class Routes:
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         offset = 0
-        markers = harmony_markers(model.tokenizer) if chat else None
-        channels = ChannelSplitter(markers) if markers else None
         try:
             if chat:
-                first = {"role": "assistant", "content": ""}
-                yield chunk({"index": 0, "delta": first, "logprobs": None, "finish_reason": None})
+                yield chunk(reply.first_chunk())
             while True:
                 event, payload = await events.get()
                 if event == "tokens":
-                    yield chunk(_token_choice(model.tokenizer, payload, chat, options, channels, offset))
-                    offset += sum(len(t.text) for t in payload)
+                    if chat:
+                        for choice in reply.chunks(payload):
+                            yield chunk(choice)
+                    else:
+                        yield chunk(text_chunk(tokenizer, payload, options, offset))
+                        offset += sum(len(t.text) for t in payload)
                 elif event == "done":
-                    finish = protocol.FINISH.get(payload["finish_reason"], "stop")
-                    last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-                    yield chunk({**last, "logprobs": None, "finish_reason": finish})
+                    if chat:
+                        for choice in reply.last_chunks(payload):
+                            yield chunk(choice)
+                    else:
+                        finish = protocol.FINISH.get(payload["finish_reason"], "stop")
+                        yield chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": finish})
                     if options.include_usage:
                         yield chunk({}, usage=protocol.usage(payload))
                     break
@@ -268,20 +296,31 @@ class Routes:
         return JSONResponse({"content": model.tokenizer.decode(ids)})
 
 
-def _prompt(model, body: Body, chat: bool) -> str | list[int]:
-    """A chat's messages in the model's template (its ids), or a completion's prompt (text or ids)."""
-    if chat:
-        if model.tokenizer is None:
-            raise bad("This model has no tokenizer, so it cannot chat.", "messages")
-        messages = protocol.chat_messages(body)
-        try:
-            return model.tokenizer.encode_chat(messages)
-        except ValueError as e:  # no template, or one that refuses these messages
-            raise bad(str(e)[:300], "messages") from None
+def _prompt(model, body: Body) -> str | list[int]:
+    """A completion's prompt (text or ids)."""
     prompt = protocol.completion_prompt(body)
     if isinstance(prompt, str) and model.tokenizer is None:
         raise bad("This model has no tokenizer, so the prompt must be token ids.", "prompt")
     return prompt
+
+
+def _chat_prompt(model, body: Body, fmt: ReplyFormat) -> tuple[list[int], ReplyParser]:
+    """A chat's messages (and tools) in the model's template -> (its ids, a parser for the reply,
+    which `fmt` says how to read)."""
+    messages = protocol.chat_messages(body)
+    tools = protocol.chat_tools(body)
+    variables = protocol.template_variables(body)
+    if tools is not None and tools.parsed and not fmt.calls_tools():
+        raise bad(
+            f"This model ({model.config.model_type}) has no tool-call syntax moerun can read: its chat "
+            "template names none, nor does its vocabulary or family.",
+            "tools",
+        )
+    try:
+        text = model.tokenizer.render_chat(messages, tools=list(tools.tools) if tools else None, **variables)
+    except ValueError as e:  # no template, or one that refuses these messages
+        raise bad(str(e)[:300], "messages") from None
+    return model.tokenizer.encode(text, add_special_tokens=False), fmt.parser(text, tools)
 
 
 async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events: asyncio.Queue):
@@ -305,46 +344,6 @@ async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events:
     except asyncio.CancelledError:
         scheduler.cancel(job)
         raise
-
-
-def _whole_choice(tokenizer, tokens: list, stats: dict, chat: bool, options: Options) -> dict:
-    """A whole response's one choice: the message (gpt-oss: its reasoning apart) or the text."""
-    text = "".join(t.text for t in tokens)
-    finish = protocol.FINISH.get(stats["finish_reason"], "stop")
-    if not chat:
-        logprobs = (
-            protocol.completion_logprobs(tokenizer, tokens, options.logprobs)
-            if options.want_logprobs
-            else None
-        )
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
-    message = {"role": "assistant", "content": text}
-    if markers := harmony_markers(tokenizer):  # gpt-oss: the reasoning apart
-        reasoning, message["content"] = ChannelSplitter(markers).push(tokens)
-        message["reasoning_content"] = reasoning or None
-    logprobs = protocol.chat_logprobs(tokenizer, tokens, options.logprobs) if options.want_logprobs else None
-    return {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
-
-
-def _token_choice(tokenizer, tokens: list, chat: bool, options: Options, channels, offset: int) -> dict:
-    """A streamed chunk's choice for a batch of new tokens: a delta (gpt-oss: the reasoning apart,
-    through `channels`) or text; `offset`: the characters streamed before them."""
-    text = "".join(t.text for t in tokens)
-    if not chat:
-        logprobs = (
-            protocol.completion_logprobs(tokenizer, tokens, options.logprobs, offset)
-            if options.want_logprobs
-            else None
-        )
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
-    logprobs = protocol.chat_logprobs(tokenizer, tokens, options.logprobs) if options.want_logprobs else None
-    delta = {"content": text}
-    if channels is not None:  # gpt-oss: the reasoning apart
-        reasoning, answer = channels.push(tokens)
-        delta = {"reasoning_content": reasoning} if reasoning else {}
-        if answer or not reasoning:
-            delta["content"] = answer
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
 
 def _metrics(state: ServerState) -> str:

@@ -136,6 +136,8 @@ def _example(prompt: str, turn: str, variables: dict) -> str | None:
     n = 0
     while n < min(len(prompt), len(turn)) and prompt[n] == turn[n]:
         n += 1
+    if n < len(prompt):  # the prompt for a reply opens differently (`<think>`): back to a marker's end
+        n = max(turn.rfind(c, 0, n) + 1 for c in ">]\n")
     example = turn[n:].strip()
     eos = variables.get("eos_token")
     if eos and example.endswith(eos):

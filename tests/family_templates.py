@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (templates are data: a line of one is a line of its output)
 """Chat templates in the style each family ships, written for the tests: short, but with the parts
 that matter to tools and reasoning done the way the family's own template does them (how the tools
 are listed, how an earlier call's arguments are written and what form they must come in, how a tool's
@@ -11,7 +12,6 @@ QWEN3 = """{%- if tools %}<|im_start|>system
 
 {% endif %}# Tools
 
-You may call one or more functions. Their signatures, within <tools></tools>:
 <tools>
 {%- for tool in tools %}
 
@@ -20,7 +20,7 @@ You may call one or more functions. Their signatures, within <tools></tools>:
 
 </tools>
 
-For each call, return <tool_call>
+Call as <tool_call>
 {"name": <function-name>, "arguments": <args-json-object>}
 </tool_call><|im_end|>
 {% elif messages[0].role == 'system' %}<|im_start|>system
@@ -67,12 +67,18 @@ QWEN3_THINKING = QWEN3.replace(
     "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n",
 )
 
-# Qwen2.5: the same syntax, but the arguments always go through tojson (a string is encoded twice).
-QWEN25 = QWEN3.replace(
-    "{% if tool_call.arguments is string %}{{ tool_call.arguments }}{% else %}"
-    "{{ tool_call.arguments | tojson }}{% endif %}",
-    "{{ tool_call.arguments | tojson }}",
+# Qwen2.5: the same syntax without reasoning, and the arguments always go through tojson (a string
+# would be encoded twice).
+QWEN25 = (
+    QWEN3.replace(
+        "{% if tool_call.arguments is string %}{{ tool_call.arguments }}{% else %}"
+        "{{ tool_call.arguments | tojson }}{% endif %}",
+        "{{ tool_call.arguments | tojson }}",
+    )
+    .replace("{% if message.reasoning_content is string %}<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}\n", "")
+    .replace("{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}\n", "")
 )
+assert "think" not in QWEN25
 
 # GLM-4.5: a call is the name then <arg_key>/<arg_value> pairs read with .items() (an object only),
 # string values written bare; reasoning in <think></think>; an answer in <|observation|>.

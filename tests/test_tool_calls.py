@@ -7,7 +7,13 @@ import json
 
 import jsonschema
 import pytest
+from family_templates import DEEPSEEK_R1, GLM45, GPT_OSS, QWEN3, QWEN25
+from family_templates import MISTRAL as MISTRAL_TEMPLATE
+from tiny_tokenizers import byte_level_tokenizer
+from tokenizers import AddedToken
 
+from moerun.batching import TextRelease, Token
+from moerun.text import Tokenizer
 from moerun.text.reply import ReplyDelta, ReplyFormat
 from moerun.text.tool_calls import SYNTAXES, ToolRequest, ToolRequestError, tool_call_schema
 
@@ -23,7 +29,10 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
 TOOLS = ToolRequest.make([WEATHER, TIME])
 
 QWEN = ReplyFormat(thinking=True, tools=SYNTAXES["tagged"])
@@ -101,7 +110,14 @@ CASES = {
         "",
         [("get_time", {})],
     ),
-    "reasoning cut off by the end": (QWEN, "", "<think>\nStill thinking about", "Still thinking about", "", []),
+    "reasoning cut off by the end": (
+        QWEN,
+        "",
+        "<think>\nStill thinking about",
+        "Still thinking about",
+        "",
+        [],
+    ),
     "mistral v0.3 list": (
         MISTRAL,
         "[/INST]",
@@ -141,8 +157,8 @@ CASES = {
     "deepseek-r1 reasoning, then a v3.1 call": (
         DEEPSEEK,
         "<｜Assistant｜><think>\n",
-        "The user asks for Tokyo.\n</think>\n\nOne moment.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather"
-        '<｜tool▁sep｜>{"city": "Tokyo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "The user asks for Tokyo.\n</think>\n\nOne moment.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+        'get_weather<｜tool▁sep｜>{"city": "Tokyo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
         "The user asks for Tokyo.",
         "One moment.",
         [("get_weather", {"city": "Tokyo"})],
@@ -150,8 +166,8 @@ CASES = {
     "gpt-oss call after analysis": (
         HARMONY,
         "<|start|>assistant",
-        "<|channel|>analysis<|message|>Need to call get_weather.<|end|><|start|>assistant<|channel|>commentary "
-        'to=functions.get_weather <|constrain|>json<|message|>{"city":"San Francisco"}<|call|>',
+        "<|channel|>analysis<|message|>Need to call get_weather.<|end|><|start|>assistant<|channel|>"
+        'commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"San Francisco"}<|call|>',
         "Need to call get_weather.",
         "",
         [("get_weather", {"city": "San Francisco"})],
@@ -159,7 +175,7 @@ CASES = {
     "gpt-oss recipient in the role header": (
         HARMONY,
         "<|start|>assistant",
-        ' to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>',
+        " to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
         "",
         "",
         [("get_time", {})],
@@ -248,7 +264,9 @@ def test_malformed_tool_requests_are_named(tools, choice, parallel, param):
 
 def test_the_schema_a_constrained_call_must_match():
     assert tool_call_schema(ToolRequest.make([WEATHER, TIME])) is None  # auto: the model's choice
-    named = tool_call_schema(ToolRequest.make([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}))
+    named = tool_call_schema(
+        ToolRequest.make([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}})
+    )
     jsonschema.validate({"name": "get_time", "arguments": {}}, named)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "get_weather", "arguments": {"city": "Paris"}}, named)
@@ -257,3 +275,47 @@ def test_the_schema_a_constrained_call_must_match():
     for bad in ({"name": "get_weather", "arguments": {"days": 2}}, {"name": "other", "arguments": {}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, required)
+
+
+def _tokenizer(template: str, special=(), added=()) -> Tokenizer:
+    backend = byte_level_tokenizer("qwen2", extra_special=special)
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in added])
+    return Tokenizer(backend, special={"eos_token": "<|im_end|>"}, chat_template=template)
+
+
+@pytest.mark.parametrize(
+    "template, special, family, harmony, thinking, syntax",
+    [
+        (QWEN3, (), "qwen3_moe", False, True, "tagged"),
+        (QWEN25, (), "qwen2_moe", False, False, "tagged"),
+        (GLM45, (), "glm4_moe", False, True, "tagged"),
+        (MISTRAL_TEMPLATE, ("[TOOL_CALLS]",), "mixtral", False, False, "mistral"),
+        (DEEPSEEK_R1, (), "deepseek_v3", False, True, "deepseek"),
+        ("{{ messages[0].content }}", (), "deepseek_v3", False, False, "deepseek"),  # by family
+        ("{{ messages[0].content }}", ("[TOOL_CALLS]",), "olmoe", False, False, "mistral"),  # by vocabulary
+        ("{{ messages[0].content }}", (), "olmoe", False, False, None),
+        (GPT_OSS, ("<|start|>", "<|end|>", "<|message|>", "<|channel|>"), "gpt_oss", True, False, None),
+    ],
+)
+def test_the_format_comes_from_template_vocabulary_and_family(
+    template, special, family, harmony, thinking, syntax
+):
+    fmt = ReplyFormat.of(_tokenizer(template, special), family)
+    assert (fmt.harmony, fmt.thinking, fmt.tools.name if fmt.tools else None) == (harmony, thinking, syntax)
+    assert fmt.calls_tools() == (harmony or syntax is not None)
+
+
+def test_special_markers_are_read_from_the_released_tokens():
+    """Mistral's [TOOL_CALLS] is a special token: decoding leaves it out, the parser puts it back."""
+    tokenizer = _tokenizer(MISTRAL_TEMPLATE, ("[TOOL_CALLS]", "[ARGS]"))
+    fmt = ReplyFormat.of(tokenizer, "mixtral")
+    text = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}<|im_end|>'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert "[TOOL_CALLS]" not in tokenizer.decode(ids)
+    for stops in ([], ["\n\n"]):  # stop strings hold text back, so tokens come out in groups
+        release, parser, reply = TextRelease(tokenizer, stops), fmt.parser("", TOOLS), ReplyDelta()
+        for i, token_id in enumerate(ids):
+            released, _ = release.push(Token(token_id), i == len(ids) - 1)
+            reply.add(parser.push_tokens(released))
+        reply.add(parser.finish())
+        assert _parts(reply) == ("", "Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {})])

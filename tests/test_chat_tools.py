@@ -14,7 +14,9 @@ from tiny_tokenizers import byte_level_tokenizer, save_hf_dir
 from transformers import AutoTokenizer
 
 from moerun.text import Tokenizer
-from moerun.text.chat_tools import template_tools
+from moerun.text.chat_tools import template_tools, tool_call_tags
+from moerun.text.reply import ReplyDelta, ReplyFormat
+from moerun.text.tool_calls import ToolRequest
 
 WEATHER = {
     "type": "function",
@@ -147,3 +149,28 @@ def test_what_each_template_takes(tokenizers):
         assert caps.arguments == arguments or family == "qwen3", family  # Qwen3's reads both
         assert caps.renders_tools == (not family.startswith("deepseek")), family
         assert caps.short_ids == (family == "mistral"), family
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2.5", "mistral", "gpt-oss", "deepseek-v3"])
+def test_a_call_written_as_the_template_writes_it_is_read_back(family, tokenizers):
+    ours, _ = tokenizers[family]
+    request = ToolRequest.make([WEATHER], "required")
+    ((before, schema, after),) = tool_call_tags(ours.chat_template, ours.special_tokens, request)
+    assert schema == WEATHER["function"]["parameters"]
+    fmt = ReplyFormat.of(ours, None)
+    parser, reply = (
+        fmt.parser(ours.render_chat(conversation("string", "none", CALL_ID)), request),
+        ReplyDelta(),
+    )
+    reply.add(parser.push(before + json.dumps(ARGUMENTS) + after))
+    reply.add(parser.finish())
+    assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == [("get_weather", ARGUMENTS)]
+    assert reply.content == "" and reply.reasoning == ""
+
+
+def test_glm_calls_are_not_json_so_have_no_tags(tokenizers):
+    ours, _ = tokenizers["glm-4.5"]
+    assert (
+        tool_call_tags(ours.chat_template, ours.special_tokens, ToolRequest.make([WEATHER], "required"))
+        is None
+    )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from moerun.text.chat_template import ChatTemplateError, prepare_messages, render_prepared
+from moerun.text.tool_calls import ToolRequest
 
 PROBE_NAME, PROBE_ARG = "function_name", "argument_name"
 PROBE_TOOL = {
@@ -202,3 +203,26 @@ def _with_short_ids(message: dict) -> dict:
         calls = [{**c, "id": _short_id(c["id"])} if isinstance(c, dict) and "id" in c else c for c in calls]
         message = {**message, "tool_calls": calls}
     return message
+
+
+def tool_call_tags(
+    template: str, special_tokens: dict[str, str], request: ToolRequest
+) -> list[tuple[str, dict, str]] | None:
+    """For constrained decoding (tool_choice "required" or a named function): per function that may
+    be called, (the text before its arguments, their JSON schema, the text after them), as the
+    template itself writes a call (its `TemplateTools.example`), so a constrained reply is what the
+    model was trained to write and what `moerun.text.reply` reads. None when the template writes
+    no call, or writes its arguments other than as one JSON object (GLM-4.5's key/value pairs).
+    Where the prompt opens the reasoning (`moerun.text.reasoning.prompt_opens_thinking`), the reply
+    is read as reasoning until `</think>`, so a constrained reply must close it before the call."""
+    tokens = tuple(sorted((k, v) for k, v in special_tokens.items() if k.endswith("_token") and v))
+    example = template_tools(template, tokens).example
+    arguments = json.dumps({PROBE_ARG: "argument value"})
+    if example is None or example.count(arguments) != 1:
+        return None
+    before, after = example.split(arguments)
+    return [
+        (before.replace(PROBE_NAME, name), parameters or {"type": "object"}, after)
+        for name, parameters in request.parameters.items()
+        if request.choice in ("required", "auto", name)
+    ]

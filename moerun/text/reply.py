@@ -2,7 +2,8 @@
 piece as it streams, in the format the model was trained to write (`ReplyFormat`), chosen from its
 chat template, its vocabulary and its family, never from a flag:
 
-- gpt-oss (a vocabulary with harmony's markers): channels and recipients (`moerun.text.harmony`);
+- gpt-oss (harmony's markers in the vocabulary, and in the template or the family): channels and
+  recipients (`moerun.text.harmony`);
 - a template that speaks of `</think>` (Qwen3, DeepSeek-R1/V3.1, GLM-4.5): reasoning in `<think>`
   (`moerun.text.reasoning`);
 - the tool-call syntax the template writes (`moerun.text.tool_calls`), else the one the vocabulary
@@ -84,7 +85,9 @@ class ReplyFormat:
         if tokenizer is None:
             return cls()
         template = tokenizer.chat_template or ""
-        harmony = all(tokenizer.token_to_id(m) is not None for m in HARMONY_REQUIRED)
+        harmony = all(tokenizer.token_to_id(m) is not None for m in HARMONY_REQUIRED) and (
+            "<|channel|>" in template or model_type == "gpt_oss"
+        )
         thinking = not harmony and (END in template or START in template)
         syntax = None
         if not harmony:

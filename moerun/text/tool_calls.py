@@ -151,7 +151,8 @@ def _short(value) -> str:
 def tool_call_schema(request: ToolRequest | None) -> dict | None:
     """The JSON schema one call must match under tool_choice "required" or a named function:
     {"name": that function's name, "arguments": its parameters}, any of the allowed functions; None
-    when the choice is the model's ("auto") or no call may come ("none")."""
+    when the choice is the model's ("auto") or no call may come ("none"). The text a family writes
+    around the arguments is `moerun.text.chat_tools.tool_call_tags`."""
     if request is None or request.choice in ("auto", "none"):
         return None
     options = [

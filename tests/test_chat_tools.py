@@ -10,7 +10,7 @@ import json
 
 import pytest
 from family_templates import DEEPSEEK_R1, DEEPSEEK_V3, GLM45, GPT_OSS, MISTRAL, QWEN3, QWEN25
-from tiny_tokenizers import byte_level_tokenizer, save_hf_dir
+from tiny_tokenizers import CHATML, byte_level_tokenizer, save_hf_dir
 from transformers import AutoTokenizer
 
 from moerun.text import Tokenizer
@@ -174,3 +174,15 @@ def test_glm_calls_are_not_json_so_have_no_tags(tokenizers):
         tool_call_tags(ours.chat_template, ours.special_tokens, ToolRequest.make([WEATHER], "required"))
         is None
     )
+
+
+def test_a_template_that_knows_no_tools_still_renders_a_round_trip(tmp_path):
+    directory = save_hf_dir(
+        byte_level_tokenizer("qwen2"), tmp_path, eos_token="<|im_end|>", chat_template=CHATML
+    )
+    ours, theirs = Tokenizer.from_hf_dir(directory), AutoTokenizer.from_pretrained(directory)
+    text = ours.render_chat(conversation("string", "none", CALL_ID), tools=[WEATHER])
+    told = conversation("string", "empty", CALL_ID)
+    told[0]["content"] += "\n\nYou can call these functions, each described by a JSON schema:\n"
+    told[0]["content"] += json.dumps(WEATHER["function"], ensure_ascii=False)
+    assert text == theirs.apply_chat_template(told, add_generation_prompt=True, tokenize=False)

@@ -9,6 +9,8 @@ import jsonschema
 import pytest
 from family_templates import DEEPSEEK_R1, GLM45, GPT_OSS, QWEN3, QWEN25
 from family_templates import MISTRAL as MISTRAL_TEMPLATE
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_tokenizers import byte_level_tokenizer
 from tokenizers import AddedToken
 
@@ -319,3 +321,37 @@ def test_special_markers_are_read_from_the_released_tokens():
             reply.add(parser.push_tokens(released))
         reply.add(parser.finish())
         assert _parts(reply) == ("", "Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {})])
+
+
+PIECES = [
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+    "</arg_value>", "<function=get_time>", "<parameter=city>", "</parameter>", "</function>",
+    "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<|start|>", "<|channel|>",
+    "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>", "analysis", "final",
+    "commentary", " to=functions.get_time", "function", "get_weather", "\n```json\n", "\n```",
+    '{"name": "get_time", "arguments": {}}', '{"city": "Oslo"}', "{", "}", "[", "]", '"', "\n", " ",
+    "<", "|", "text", "é", "🙂",
+]  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(PIECES), max_size=14),
+    cuts=st.lists(st.integers(0, 400), max_size=4),
+    fmt=st.sampled_from([QWEN, MISTRAL, DEEPSEEK, HARMONY]),
+    opened=st.booleans(),
+)
+def test_any_text_reads_the_same_in_any_pieces(pieces, cuts, fmt, opened):
+    text = "".join(pieces)
+    prompt = "<think>\n" if opened else ""
+    whole = _parts(_read(fmt, prompt, [text]))
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    split = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert _parts(_read(fmt, prompt, split)) == whole
+    assert _parts(_read(fmt, prompt, list(text))) == whole
+    reasoning, content, calls = whole
+    # without calls or reasoning, the text is the answer as it came (DeepSeek's list brackets aside)
+    brackets = fmt is DEEPSEEK and "tool▁calls▁" in text
+    if not (calls or opened or fmt.harmony or "think>" in text or brackets):
+        assert content == text

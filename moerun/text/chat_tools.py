@@ -103,7 +103,8 @@ def template_tools(template: str, tokens: tuple[tuple[str, str], ...] = ()) -> T
                 turn = render(_round_trip(arguments, content, PROBE_ID)[:2], [PROBE_TOOL], False) or ""
                 example = _example(prompt, turn, variables)
                 return TemplateTools(renders_tools, arguments, content, short_ids, example)
-    return TemplateTools(renders_tools)
+    # a template that writes no calls: earlier calls are left out, as an empty text turn
+    return TemplateTools(renders_tools, "string", "empty")
 
 
 def _round_trip(arguments: str, content: str, call_id: str) -> list[dict]:

@@ -294,8 +294,10 @@ class MistralCalls(ToolSyntax):
     def region(self, text, final, tools):
         body = text[len(self.opens[0]) :]
         skip = len(self.opens[0])
+        # JSON ends with a bracket: until one comes, or the reply ends, there is nothing to decode
+        complete = final or text.rstrip().endswith(("}", "]"))
         if body.lstrip().startswith("["):  # [TOOL_CALLS] [{"name": ..., "arguments": ...}, ...]
-            decoded = _decode_prefix(body)
+            decoded = _decode_prefix(body) if complete else None
             if decoded is None:
                 return (len(text), None) if final else None
             value, end = decoded
@@ -306,7 +308,7 @@ class MistralCalls(ToolSyntax):
         following = body.find(self.opens[0])
         if following >= 0 and (not marker or following < len(head)):  # the next call began first
             return skip + following, None
-        decoded = _decode_prefix(rest) if marker else None
+        decoded = _decode_prefix(rest) if marker and complete else None
         if decoded is None:
             return (len(text), None) if final else None
         name = head.partition("[CALL_ID]")[0].strip()

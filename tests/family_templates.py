@@ -75,8 +75,14 @@ QWEN25 = (
         "{{ tool_call.arguments | tojson }}{% endif %}",
         "{{ tool_call.arguments | tojson }}",
     )
-    .replace("{% if message.reasoning_content is string %}<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}\n", "")
-    .replace("{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}\n", "")
+    .replace(
+        "{% if message.reasoning_content is string %}<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}\n",
+        "",
+    )
+    .replace(
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}\n",
+        "",
+    )
 )
 assert "think" not in QWEN25
 

@@ -9,12 +9,13 @@ import hashlib
 import json
 
 import pytest
-from family_templates import DEEPSEEK_R1, DEEPSEEK_V3, GLM45, GPT_OSS, MISTRAL, QWEN3, QWEN25
+from family_templates import DEEPSEEK_R1, DEEPSEEK_V3, GLM45, GPT_OSS, MISTRAL, QWEN3, QWEN3_THINKING, QWEN25
 from tiny_tokenizers import CHATML, byte_level_tokenizer, save_hf_dir
 from transformers import AutoTokenizer
 
 from moerun.text import Tokenizer
 from moerun.text.chat_tools import template_tools, tool_call_tags
+from moerun.text.reasoning import prompt_opens_thinking
 from moerun.text.reply import ReplyDelta, ReplyFormat
 from moerun.text.tool_calls import ToolRequest
 
@@ -186,3 +187,28 @@ def test_a_template_that_knows_no_tools_still_renders_a_round_trip(tmp_path):
     told[0]["content"] += "\n\nYou can call these functions, each described by a JSON schema:\n"
     told[0]["content"] += json.dumps(WEATHER["function"], ensure_ascii=False)
     assert text == theirs.apply_chat_template(told, add_generation_prompt=True, tokenize=False)
+
+
+@pytest.mark.parametrize(
+    "template, variables, opened",
+    [
+        (QWEN3, {}, False),
+        (QWEN3, {"enable_thinking": False}, False),
+        (QWEN3_THINKING, {}, True),
+        (DEEPSEEK_R1, {}, True),
+        (DEEPSEEK_V3, {}, False),
+        (GLM45, {"enable_thinking": False}, False),
+    ],
+)
+def test_a_prompt_that_opens_the_reasoning(template, variables, opened, tmp_path):
+    """The prompt transformers renders says whether the reply starts inside <think>."""
+    directory = save_hf_dir(
+        byte_level_tokenizer("qwen2"), tmp_path, eos_token="<|im_end|>", chat_template=template
+    )
+    question = [{"role": "user", "content": "Hi"}]
+    prompt = AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        question, add_generation_prompt=True, tokenize=False, **variables
+    )
+    assert prompt_opens_thinking(prompt) == opened
+    reply = ReplyFormat.of(Tokenizer.from_hf_dir(directory), None).parser(prompt).push("Hmm.</think>Hello")
+    assert (reply.reasoning, reply.content) == (("Hmm.", "Hello") if opened else ("", "Hmm.</think>Hello"))

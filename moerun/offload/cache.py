@@ -25,7 +25,6 @@ replaces only the other slots, not the experts most tokens use.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections import Counter
@@ -34,6 +33,7 @@ from concurrent.futures import Future
 
 import torch
 
+from moerun.offload.budget import gb_at_least
 from moerun.offload.policy import POLICIES, EvictionPolicy
 from moerun.offload.stats import OffloadStats
 from moerun.offload.store import ExpertStore, Key, Layout
@@ -75,13 +75,6 @@ class _Pool:
 
 def slot_bytes(layout: Layout) -> int:
     return sum(part.nbytes for part in layout)
-
-
-def gb_at_least(nbytes: int) -> float:
-    """nbytes in GB, rounded up to 4 significant digits (so the figure, given back, is enough)."""
-    gb = nbytes / 2**30
-    scale = 10 ** (3 - math.floor(math.log10(gb)))
-    return math.ceil(gb * scale) / scale
 
 
 def minimum_bytes(store: ExpertStore, top_k: int) -> int:

@@ -14,7 +14,9 @@ from dataclasses import replace
 
 from moerun.benchmarks import BenchSettings
 from moerun.cli.common import (
+    add_memory_argument,
     add_threads_argument,
+    check_memory_argument,
     check_threads,
     expert_parallel,
     resolve_device,
@@ -91,6 +93,7 @@ def _add_model_flags(bench: argparse.ArgumentParser) -> None:
         "llama-cpp-python",
     )
     bench.add_argument("--repeats", type=int, default=3, help="with --model: repetitions of each measurement")
+    add_memory_argument(bench)
     bench.add_argument(
         "--offload",
         action="store_true",
@@ -147,6 +150,7 @@ def _checkpoint(args: argparse.Namespace, settings: BenchSettings) -> Figures:
         prefill_tokens=args.prefill_tokens or 256,
         peer=args.peer,
         expert_parallel=expert_parallel(args),
+        memory_gb=args.memory_gb,
     )
     return results, format_checkpoint_table  # rank 0 alone measures and reports
 
@@ -231,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device is not None:
         args.device = resolve_device(args.device)
     check_threads(args)
+    check_memory_argument(args)
     use_threads(args)
     if args.model is not None and args.offload:
         raise SystemExit("moerun bench: give --model or --offload, not both.")

@@ -3,13 +3,13 @@ perplexity = exp(mean negative log-likelihood of the scored tokens)):
 
 - **chunks**, llama.cpp's `llama-perplexity` (its default, `perplexity` in
   tools/perplexity/perplexity.cpp), used when no stride is given: the ids are cut into
-  len(ids) // ctx_size side-by-side chunks of `ctx_size` (the rest dropped); where the tokenizer adds BOS (`bos`
-  given) each chunk's first id is replaced by BOS; of each chunk only the second half is scored: the
-  tokens at positions ctx_size // 2 + 1 ... ctx_size - 1, each predicted from the chunk's tokens before
-  it (`max_chunks`: only the first so many, as its `--chunks`). On the same file and ctx_size this is
-  the number `llama-perplexity -c ctx_size` prints ("Final estimate: PPL"), up to the two programs'
-  arithmetic (the same tokens, chunks and scored positions); llama.cpp refuses texts of fewer than 2 *
-  ctx_size tokens, which this scores (from one chunk).
+  len(ids) // ctx_size side-by-side chunks of `ctx_size` (the rest dropped); where the tokenizer adds
+  BOS (`bos` given) each chunk's first id is replaced by BOS; of each chunk only the second half is
+  scored: the tokens at positions ctx_size // 2 + 1 ... ctx_size - 1, each predicted from the chunk's
+  tokens before it (`max_chunks`: only the first so many, as its `--chunks`). On the same file and
+  ctx_size this is the number `llama-perplexity -c ctx_size` prints ("Final estimate: PPL"), up to
+  the two programs' arithmetic (the same tokens, chunks and scored positions); llama.cpp refuses texts
+  of fewer than 2 * ctx_size tokens, which this scores (from one chunk).
 - **windows**, the sliding window of transformers' "Perplexity of fixed-length models" guide, used
   when a stride is given: windows of `ctx_size` tokens start every `stride` tokens; each scores only
   the tokens no earlier window scored, each predicted from the tokens before it in its window. With

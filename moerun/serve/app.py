@@ -3,12 +3,19 @@ scheduler (moerun.serve.scheduler). Each completion request is checked (moerun.s
 submitted, and answered whole or streamed as server-sent events (`data: {chunk}` lines, then
 `data: [DONE]`); a client that goes away mid-request has its job cancelled, which frees its slot
 before the next step. Errors come in OpenAI's JSON shape with their status; nothing a client sends
-takes the server down."""
+takes the server down.
+
+Bodies are JSON sent as such: a POST without `Content-Type: application/json` (or another `+json`
+type) gets a 415, as FastAPI's strict default does, so a web page cannot make a browser post to a
+server on loopback without the CORS preflight this server never answers. Text is tokenised off the
+event loop (a long prompt delays no other request), after a bound on its characters: a prompt longer
+than the context times the longest token of the vocabulary cannot fit and is refused untokenised."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,7 +29,7 @@ from starlette.routing import Route
 from moerun.serve import protocol
 from moerun.serve.choices import ChatChoice, text_choice, text_chunk
 from moerun.serve.protocol import APIError, Body, bad
-from moerun.serve.scheduler import Job, QueueFull, Scheduler
+from moerun.serve.scheduler import SHUTTING_DOWN, Job, QueueFull, Scheduler
 from moerun.text.reply import ReplyFormat, ReplyParser
 
 MAX_BODY = 4 << 20  # bytes of a request body
@@ -41,6 +48,7 @@ class ServerState:
     scheduler: Scheduler | None = None
     load_error: str | None = None
     started: float = field(default_factory=time.time)
+    chars_per_token: int | None = None  # the most characters one token covers (0: no bound known)
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -83,7 +91,13 @@ async def not_found(request: HTTPRequest, exc: HTTPException) -> Response:
 
 
 async def read_body(request: HTTPRequest) -> Body:
-    """The request's JSON body, refused past MAX_BODY bytes (413) or when it is not JSON (400)."""
+    """The request's JSON body, refused when not sent as JSON (415), past MAX_BODY bytes (413), or
+    when it is not JSON or holds a lone UTF-16 surrogate, which is not text (400)."""
+    kind = request.headers.get("content-type", "")
+    media = kind.split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        got = f"'{kind[:60]}'" if kind else "none"
+        raise APIError(415, f"Send the body as JSON, with 'Content-Type: application/json' (got {got}).")
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
         raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
@@ -93,11 +107,39 @@ async def read_body(request: HTTPRequest) -> Body:
         if total > MAX_BODY:
             raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
         chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks))
+    raw = b"".join(chunks)
+    try:  # a long body in a thread: parsing megabytes would hold up the other requests
+        data = json.loads(raw) if len(raw) < 1 << 16 else await asyncio.to_thread(json.loads, raw)
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deep, too many digits
         raise bad(f"The request body is not valid JSON: {str(e)[:120]}") from None
-    return Body(data)
+    body = Body(data)
+    if _SURROGATE_ESCAPE.search(raw) and (path := _lone_surrogate(data)) is not None:
+        name = path[0] + "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in path[1:])
+        raise bad(f"'{name}' holds a lone UTF-16 surrogate, which is not text: send valid Unicode.", path[0])
+    return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how JSON writes one (a pair is two)
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
+
+
+def _lone_surrogate(data) -> tuple | None:
+    """The path (top-level field first) to a string or key of `data` that holds a lone surrogate
+    (json.loads joins a valid pair into one character), or None."""
+    stack = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict | list):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return (*path, key.encode("utf-8", "backslashreplace").decode())
+                if isinstance(item, str | dict | list):
+                    stack.append((item, (*path, key)))
+    return None
 
 
 class Routes:
@@ -141,6 +183,13 @@ class Routes:
             self._format = (model, ReplyFormat.of(model.tokenizer, model.config.model_type))
         return self._format[1]
 
+    def chars_per_token(self, model) -> int:
+        """The most characters one token of `model`'s vocabulary covers, found once; 0 if no bound
+        holds (a vocabulary that joins a run of unknown characters into one token)."""
+        if self.state.chars_per_token is None:
+            self.state.chars_per_token = _chars_per_token(model.tokenizer)
+        return self.state.chars_per_token
+
     def check_model_name(self, body: Body) -> None:
         name, served = body.text("model"), self.state.model_name
         if name is not None and name != served:
@@ -167,13 +216,17 @@ class Routes:
         self.check_model_name(body)
         context = self.state.context
         kwargs, options = protocol.generation_options(body, chat, context)
-        reply = None
-        if chat:
-            prompt, parser = _chat_prompt(model, body, self.reply_format(model))
-            reply = ChatChoice(parser, model.tokenizer, options)
-        else:
-            prompt = _prompt(model, body)
-        job_request = protocol.make_request(model, prompt, kwargs, context)
+
+        def make():  # rendering and tokenising: in a thread, so other requests go on meanwhile
+            most = context * self.chars_per_token(model) or None
+            if chat:
+                prompt, parser = _chat_prompt(model, body, self.reply_format(model), most)
+            else:
+                prompt, parser = _prompt(model, body, most), None
+            return protocol.make_request(model, prompt, kwargs, context), parser
+
+        job_request, parser = await asyncio.to_thread(make)
+        reply = ChatChoice(parser, model.tokenizer, options) if chat else None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -183,6 +236,8 @@ class Routes:
         try:
             job = scheduler.submit(job_request, sink)
         except QueueFull as e:
+            if str(e) == SHUTTING_DOWN:
+                raise APIError(503, SHUTTING_DOWN, None, "shutting_down") from None
             raise APIError(503, f"The server is busy: {e} Retry later.", None, "queue_full") from None
         response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         if options.stream:
@@ -239,8 +294,7 @@ class Routes:
                         yield chunk({}, usage=protocol.usage(payload))
                     break
                 else:
-                    error = APIError(500, str(payload))
-                    yield f"data: {json.dumps(error.body())}\n\n"
+                    yield f"data: {json.dumps(_job_error(payload).body())}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the generator is closed) or the answer is complete
@@ -282,31 +336,43 @@ class Routes:
         text = body.text("content") if body.has("content") else body.text("prompt")
         if text is None:
             raise bad("Give the text as 'content' (or 'prompt').", "content")
-        ids = model.tokenizer.encode(text, add_special_tokens=body.flag("add_special", True))
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.state.context})
+        special = body.flag("add_special", True)
+        ids = await asyncio.to_thread(model.tokenizer.encode, text, add_special_tokens=special)
+        answer = {"tokens": ids, "count": len(ids), "max_model_len": self.state.context}
+        return await asyncio.to_thread(JSONResponse, answer)  # up to a million ids to write
 
     async def detokenize(self, request: HTTPRequest) -> Response:
         body, model = await self._text_request(request)
         ids = body.data.get("tokens")
         vocab = model.config.vocab_size
-        if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
-        ):
-            raise bad(f"'tokens' must be a list of token ids in [0, {vocab}).", "tokens")
-        return JSONResponse({"content": model.tokenizer.decode(ids)})
+
+        def answer() -> Response:  # in a thread: up to a million ids to check and decode
+            if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
+            ):
+                raise bad(f"'tokens' must be a list of token ids in [0, {vocab}).", "tokens")
+            # decode_batch is tokenizer.decode's text, and lets the event loop run while it works
+            text = model.tokenizer.backend.decode_batch([ids], skip_special_tokens=True)[0]
+            return JSONResponse({"content": text})
+
+        return await asyncio.to_thread(answer)
 
 
-def _prompt(model, body: Body) -> str | list[int]:
-    """A completion's prompt (text or ids)."""
+def _prompt(model, body: Body, most: int | None) -> str | list[int]:
+    """A completion's prompt (text or ids); text of more than `most` characters is refused before
+    it is tokenised."""
     prompt = protocol.completion_prompt(body)
     if isinstance(prompt, str) and model.tokenizer is None:
         raise bad("This model has no tokenizer, so the prompt must be token ids.", "prompt")
+    if isinstance(prompt, str):
+        _check_length(prompt, most, "prompt")
     return prompt
 
 
-def _chat_prompt(model, body: Body, fmt: ReplyFormat) -> tuple[list[int], ReplyParser]:
+def _chat_prompt(model, body: Body, fmt: ReplyFormat, most: int | None) -> tuple[list[int], ReplyParser]:
     """A chat's messages (and tools) in the model's template -> (its ids, a parser for the reply,
-    which `fmt` says how to read)."""
+    which `fmt` says how to read); a rendering of more than `most` characters is refused before it
+    is tokenised."""
     messages = protocol.chat_messages(body)
     tools = protocol.chat_tools(body)
     variables = protocol.template_variables(body)
@@ -320,7 +386,32 @@ def _chat_prompt(model, body: Body, fmt: ReplyFormat) -> tuple[list[int], ReplyP
         text = model.tokenizer.render_chat(messages, tools=list(tools.tools) if tools else None, **variables)
     except ValueError as e:  # no template, or one that refuses these messages
         raise bad(str(e)[:300], "messages") from None
+    _check_length(text, most, "messages")
     return model.tokenizer.encode(text, add_special_tokens=False), fmt.parser(text, tools)
+
+
+def _check_length(text: str, most: int | None, field: str) -> None:
+    if most is not None and len(text) > most:
+        raise bad(
+            f"The prompt's {len(text)} characters cannot fit this server's context: at most {most} "
+            "can (the context times the most characters one token of this vocabulary covers).",
+            field,
+        )
+
+
+def _chars_per_token(tokenizer) -> int:
+    """The most characters of text one token can stand for: its longest entry (byte-level vocabularies
+    spell each byte as one character, SentencePiece ones each character as one), or 0 where a token
+    may stand for any number (a BPE that joins a run of unknown characters into one unknown token,
+    a non-BPE model)."""
+    from tokenizers.models import BPE
+
+    if tokenizer is None:
+        return 0
+    backend = tokenizer.backend.model
+    if not isinstance(backend, BPE) or (backend.fuse_unk and not backend.byte_fallback):
+        return 0
+    return max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=0)
 
 
 async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events: asyncio.Queue):
@@ -340,10 +431,17 @@ async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events:
             elif kind == "done":
                 return tokens, payload
             else:
-                raise APIError(500, str(payload))
+                raise _job_error(payload)
     except asyncio.CancelledError:
         scheduler.cancel(job)
         raise
+
+
+def _job_error(message) -> APIError:
+    """A job's error event: a 503 when the server is shutting down, else a 500."""
+    if message == SHUTTING_DOWN:
+        return APIError(503, SHUTTING_DOWN, None, "shutting_down")
+    return APIError(500, str(message))
 
 
 def _metrics(state: ServerState) -> str:

@@ -18,6 +18,7 @@ from moerun.text.tool_calls import ToolRequest, ToolRequestError
 # OpenAI's finish reasons; moerun's "context" (the context filled) is OpenAI's "length"
 FINISH = {"stop": "stop", "length": "length", "context": "length"}
 MAX_STOPS = 16
+MAX_STOP_CHARS = 4096  # the stop strings' characters together
 MAX_TOP_LOGPROBS = 20
 
 
@@ -35,6 +36,7 @@ class APIError(Exception):
             401: "authentication_error",
             404: "not_found_error",
             413: "invalid_request_error",
+            415: "invalid_request_error",
             503: "server_error",
         }.get(self.status, "server_error")
 
@@ -134,6 +136,8 @@ def generation_options(body: Body, chat: bool, context: int) -> tuple[dict, Opti
     else:
         raise bad(f"'stop' must be a string or a list of at most {MAX_STOPS} strings.", "stop")
     stops = [s for s in stops if s]
+    if sum(map(len, stops)) > MAX_STOP_CHARS:
+        raise bad(f"The 'stop' strings must hold at most {MAX_STOP_CHARS} characters together.", "stop")
     top_k = body.integer("top_k", 0, -1, 1 << 20)
     seed = body.integer("seed", None, -(1 << 63), (1 << 63) - 1)
     sampling = dict(

@@ -166,7 +166,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of `text`; with `add_special_tokens`, BOS/EOS as the model's config asks."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the same ids, and it lets other threads run while it works (a
+        # server's event loop while a long prompt is tokenised in a thread); encode holds the GIL
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; special tokens (BOS, EOS, chat markers) left out unless asked for."""

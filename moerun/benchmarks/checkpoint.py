@@ -98,7 +98,7 @@ def run_checkpoint_bench(
     decode_steps, repeats = settings.decode_steps, settings.repeats
 
     if peer is not None:
-        _check_peer(peer, device, path)
+        check_peer_run(peer, device, path)
     path = Path(path)
     log(f"loading {path} ({dtype}, {device})")
     start = time.perf_counter()
@@ -179,7 +179,9 @@ def _model_figures(config) -> dict:
     }
 
 
-def _check_peer(peer: str, device: str, path: str | Path) -> None:
+def check_peer_run(peer: str, device: str, path: str | Path) -> None:
+    """Refuse, in one sentence, a peer other than llama.cpp, a device other than the CPU, or a file
+    llama.cpp cannot run (moerun.benchmarks.llama_cpp.check_peer)."""
     from moerun.benchmarks.llama_cpp import NAME, PeerError, check_peer
 
     if peer != NAME:

@@ -201,12 +201,18 @@ class TextRelease:
         return [], stopped
 
     def _covering(self, candidates: list[Token], length: int) -> int:
-        """How many of `candidates`, after the ids released, it takes to decode to `length` characters."""
-        decode = self.tokenizer.decode
-        n = 0
-        while n < len(candidates) and len(decode(self.output + [t.id for t in candidates[:n]])) < length:
-            n += 1
-        return n
+        """How many of `candidates`, after the ids released, it takes to decode to `length` characters:
+        a binary search (more ids never decode to less text), so a stop string held back over many
+        tokens costs a few decodes, not one per token."""
+        ids = self.output + [t.id for t in candidates]
+        low, high = 0, len(candidates)
+        while low < high:
+            middle = (low + high) // 2
+            if len(self.tokenizer.decode(ids[: len(self.output) + middle])) < length:
+                low = middle + 1
+            else:
+                high = middle
+        return low
 
 
 class Generation:

@@ -25,6 +25,20 @@ shape options change the shapes (`--ftype mxfp4` is llama.cpp's MXFP4_MOE: exper
 q8_0, as gpt-oss files ship). llama.cpp writes IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M only with an
 importance matrix; `--random-experts iq2_xxs` (say, with `--ftype q4_k_m`) puts random valid blocks
 of that format in the routed experts after llama.cpp quantised the rest.
+
+`--full-size` writes Qwen3-30B-A3B at its full size (48 layers, 128 experts, vocabulary 151936; about
+18.5 GB at q4_k_m) without its 61 GB F16 source: llama.cpp quantises a few real layers
+(`--distinct-layers`, 4 by default, at least one per pattern of types llama.cpp gives the 48 layers),
+and the others repeat them, with the tensor names, types and order llama.cpp writes for the whole
+model (scripts/full_size_gguf.py says how). It needs about 6 GB of disk beside the output for the
+real layers' F16 file, and minutes. `--routing uniform` (its default) or `skewed` sets how the routers
+spread varied tokens over the experts: uniformly (the worst case for an expert cache), or as published
+traces of real models do (in each layer a random eighth of the experts take 80% of the requests);
+without `--full-size`, `--routing` sets a small file's routers the same way. A full-size file is
+checked by reading its header with moerun, not by loading it:
+
+    .venv/bin/python scripts/make_peer_gguf.py /tmp/full-q4_k_m.gguf --full-size --routing skewed
+    .venv/bin/moerun bench --model /tmp/full-q4_k_m.gguf --peer llama.cpp --memory-limit-gb 9
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ import ctypes
 import itertools
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -50,6 +65,8 @@ FTYPES = {
 # blocks of one of them in every routed expert tensor of a file llama.cpp quantised otherwise.
 RANDOM_EXPERT_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m")
 ARCHS = ("qwen3moe", "gpt-oss")
+Tensors = list[tuple[str, tuple[int, ...], type]]  # (name, torch-order shape, numpy dtype) in file order
+Values = Callable[[str, tuple[int, ...], type, np.random.Generator], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -101,7 +118,7 @@ def vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
     raise AssertionError("unreachable")
 
 
-def _tensors(shape: PeerShape) -> list[tuple[str, tuple[int, ...], type]]:
+def _tensors(shape: PeerShape) -> Tensors:
     """(name, torch-order shape, numpy dtype) of every tensor, in file order."""
     H, I, E, q, kv = shape.hidden, shape.expert_intermediate, shape.experts, shape.heads, shape.kv_heads
     d, f32, f16 = shape.head_dim, np.float32, np.float16
@@ -134,8 +151,27 @@ def _tensors(shape: PeerShape) -> list[tuple[str, tuple[int, ...], type]]:
     return out + [("output_norm.weight", (H,), f32), ("output.weight", (shape.vocab, H), f16)]
 
 
-def write_f16_gguf(path: str | Path, shape: PeerShape = PeerShape(), seed: int = 0) -> Path:
-    """Write the model as F16 (norms and routers F32) to `path`, one tensor at a time."""
+def random_values(name: str, dims: tuple[int, ...], dtype: type, rng: np.random.Generator) -> np.ndarray:
+    """A tensor's values: norms 1, sinks N(0, 1), everything else N(0, 0.02)."""
+    if name.endswith("norm.weight"):
+        return np.ones(dims, dtype)
+    if name.endswith("attn_sinks.weight"):
+        return rng.standard_normal(dims, dtype=np.float32)
+    data = np.empty(dims, dtype)  # one expert (or the whole matrix) at a time keeps the float32 draw small
+    for part in data.reshape(-1, *dims[-2:]) if len(dims) == 3 else [data]:
+        part[...] = rng.standard_normal(part.shape, dtype=np.float32) * 0.02
+    return data
+
+
+def write_f16_gguf(
+    path: str | Path,
+    shape: PeerShape = PeerShape(),
+    seed: int = 0,
+    tensors: Tensors | None = None,
+    values: Values = random_values,
+) -> Path:
+    """Write the model as F16 (norms and routers F32) to `path`, one tensor at a time: `tensors`
+    (default: `_tensors(shape)`), each filled by `values(name, dims, dtype, rng)`."""
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), shape.arch)
     writer.add_name(f"peer-{shape.arch}-{shape.layers}x{shape.experts}")
@@ -173,7 +209,7 @@ def write_f16_gguf(path: str | Path, shape: PeerShape = PeerShape(), seed: int =
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(True)
-    tensors = _tensors(shape)
+    tensors = _tensors(shape) if tensors is None else tensors
     for name, dims, dtype in tensors:
         nbytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
         writer.add_tensor_info(name, dims, np.dtype(dtype), nbytes)
@@ -182,15 +218,7 @@ def write_f16_gguf(path: str | Path, shape: PeerShape = PeerShape(), seed: int =
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for name, dims, dtype in tensors:
-        if name.endswith("norm.weight"):
-            data = np.ones(dims, dtype)
-        elif name.endswith("attn_sinks.weight"):
-            data = rng.standard_normal(dims, dtype=np.float32)
-        else:  # one expert (or the whole matrix) at a time keeps the float32 draw small
-            data = np.empty(dims, dtype)
-            for part in data.reshape(-1, *dims[-2:]) if len(dims) == 3 else [data]:
-                part[...] = rng.standard_normal(part.shape, dtype=np.float32) * 0.02
-        writer.write_tensor_data(data)
+        writer.write_tensor_data(values(name, dims, dtype, rng))
     writer.close()
     return path
 
@@ -235,16 +263,8 @@ def with_random_experts(src: Path, out: Path, fmt: str, seed: int) -> None:
     """`src` copied to `out` with every routed expert tensor (ffn_{gate,up,down}_exps) replaced by
     random valid `fmt` blocks of the same shape."""
     reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(out), arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        value = field.contents()
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1])
-        else:
-            writer.add_key_value(field.name, value, field.types[0])
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    copy_fields(reader, writer)
     rng = np.random.default_rng(seed)
     for t in reader.tensors:
         shape = [int(x) for x in reversed(t.shape.tolist())]  # torch order: the row last
@@ -258,6 +278,20 @@ def with_random_experts(src: Path, out: Path, fmt: str, seed: int) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def copy_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+    """Every metadata field of `reader` but the architecture (the writer has it) into `writer`."""
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name == "general.alignment":
+            writer.data_alignment = value
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, value, field.types[0])
 
 
 def check_loads(path: Path) -> str:
@@ -277,6 +311,8 @@ def check_loads(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from full_size_gguf import FULL_SIZE, ROUTINGS, RoutedValues  # it imports this module
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="the GGUF file to write")
     parser.add_argument("--ftype", choices=["f16", *FTYPES], default="q4_k_m")
@@ -294,14 +330,36 @@ def main(argv: list[str] | None = None) -> int:
         help="then replace the routed experts by random valid blocks of this format (formats llama.cpp "
         "writes only with an importance matrix)",
     )
+    parser.add_argument(
+        "--full-size",
+        action="store_true",
+        help="Qwen3-30B-A3B's full size (48 layers, 128 experts, vocabulary 151936: 18.5 GB at q4_k_m), "
+        "from a few layers llama.cpp quantises, repeated (scripts/full_size_gguf.py)",
+    )
+    parser.add_argument(
+        "--distinct-layers", type=int, default=4, help="with --full-size: the layers the others repeat"
+    )
+    parser.add_argument(
+        "--routing",
+        choices=sorted(ROUTINGS),
+        help="qwen3moe: routers that spread varied tokens uniformly over the experts (the worst case for "
+        "a cache), or skewed (in each layer an eighth of the experts take 80%% of the requests); default "
+        "with --full-size: uniform, without: the random model's own (concentrated)",
+    )
     args = parser.parse_args(argv)
     given = {f: getattr(args, f) for f in asdict(PeerShape()) if f != "arch"}
-    shape = replace(DEFAULT_SHAPES[args.arch], **{f: v for f, v in given.items() if v is not None})
+    base = FULL_SIZE if args.full_size else DEFAULT_SHAPES[args.arch]
+    shape = replace(base, **{f: v for f, v in given.items() if v is not None})
     if args.out.exists():
         raise SystemExit(f"make_peer_gguf: {args.out} exists; it is not overwritten.")
+    if args.routing and args.arch != "qwen3moe":
+        raise SystemExit("make_peer_gguf: --routing sets Qwen3-MoE routers; leave --arch out.")
+    if args.full_size:
+        return _full_size(args, shape)
+    values = random_values if args.routing is None else RoutedValues(shape, ROUTINGS[args.routing], args.seed)
     f16 = args.out if args.ftype == "f16" else args.out.with_name(args.out.stem + ".f16.gguf")
     start = time.perf_counter()
-    write_f16_gguf(f16, shape, args.seed)
+    write_f16_gguf(f16, shape, args.seed, values=values)
     print(f"wrote {f16} ({f16.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - start:.0f} s")
     if args.ftype != "f16":
         start = time.perf_counter()
@@ -323,6 +381,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"routed experts replaced by random {args.random_experts} blocks: {args.out}")
     if not args.no_check:
         print(check_loads(args.out))
+    return 0
+
+
+def _full_size(args: argparse.Namespace, shape: PeerShape) -> int:
+    from full_size_gguf import ROUTINGS, check_header, write_full_size
+
+    if args.random_experts:
+        raise SystemExit("make_peer_gguf: give --full-size or --random-experts, not both.")
+    if args.arch != "qwen3moe":
+        raise SystemExit("make_peer_gguf: --full-size writes Qwen3-MoE files only; leave --arch out.")
+    start = time.perf_counter()
+    routing = args.routing or "uniform"
+    write_full_size(
+        args.out, args.ftype, ROUTINGS[routing], shape, args.distinct_layers, args.seed, args.threads
+    )
+    size = args.out.stat().st_size
+    print(f"wrote {args.out} ({size / 1e9:.2f} GB, {routing} routing) in {time.perf_counter() - start:.0f} s")
+    if not args.no_check:
+        print(check_header(args.out))
     return 0
 
 

@@ -65,6 +65,23 @@ def test_generate_values_are_checked_before_loading(capsys, flags, named):
     assert named in err and MISSING not in err
 
 
+ZERO = (["--memory-gb", "0"], "--memory-gb must be > 0, got 0.0.")
+BOTH = (["--memory-gb", "4", "--expert-cache-gb", "1"], "give --memory-gb or --expert-cache-gb, not both")
+
+
+@pytest.mark.parametrize(
+    "command, flags, said",
+    [(c, *ZERO) for c in ("generate", "chat", "serve", "perplexity", "bench")]
+    + [(c, *BOTH) for c in ("generate", "chat", "serve", "perplexity")],
+)
+def test_memory_gb_is_checked_before_loading(capsys, tmp_path, command, flags, said):
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    extra = {"generate": ["-p", "hi"], "perplexity": ["-f", str(text)]}.get(command, [])
+    err = _refusal(capsys, [command, "-m", MISSING, *extra, *flags])
+    assert said in err and MISSING not in err
+
+
 @pytest.mark.parametrize("ids", ["1,x,3", "1,-2", ","])
 def test_prompt_ids_must_be_ids(capsys, ids):
     err = _refusal(capsys, ["generate", "-m", MISSING, "--prompt-ids", ids])

@@ -290,7 +290,8 @@ def test_warm_up_runs_before_the_timed_generation_and_no_bar_goes_to_a_file(chec
     monkeypatch.setattr(moerun.MoEModel, "generate", generate)
     out = _generate(checkpoint, capsys, "-n", "4")
     assert calls == ["warm_up", "generate"]
-    assert "\r" not in out.err and "loaded" in out.err.splitlines()[0]  # stderr is not a terminal here
+    lines = out.err.splitlines()  # stderr is not a terminal here: no bar, the placement line then "loaded"
+    assert "\r" not in out.err and "fits" in lines[0] and lines[1].startswith("loaded")
     calls.clear()
     _generate(checkpoint, capsys, "-n", "4", "--no-warmup")
     assert calls == ["generate"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import moerun.offload.cache as cache_module
 from moerun.loader import SafetensorsFile
 from moerun.loader.mapped import MappedFile
 from moerun.offload import (
@@ -114,6 +115,32 @@ def test_lfu_keeps_the_frequent_expert_that_lru_drops(tmp_path):
             cache.release([("l0", e)])
         assert cache.resident(("l0", 0)) is kept
         cache.close()
+
+
+def _steps(cache, experts):
+    for e in experts:  # one step each
+        cache.begin_step()
+        cache.fetch_many([("l0", e)])
+        cache.release([("l0", e)])
+        cache.end_step()
+
+
+@pytest.mark.parametrize("hot_share", [0.5, 0.0], ids=["hot-set", "lru-alone"])
+def test_the_most_requested_experts_survive_a_scan_of_cold_ones(tmp_path, monkeypatch, hot_share):
+    """5 slots, one token's expert each step: after HOT_PERIOD steps on experts 0 and 1 they are the
+    hot set (at most half of the 4 slots beyond one token's), and a scan of the 4 others replaces
+    only the other 3 slots. LRU alone evicts expert 0 on the scan's fourth expert."""
+    monkeypatch.setattr(cache_module, "HOT_SHARE", hot_share)
+    cache, _ = _cache(tmp_path, slots=5, top_k=1)
+    _steps(cache, [0, 1] * (cache_module.HOT_PERIOD // 2))
+    assert cache.hot == ({("l0", 0), ("l0", 1)} if hot_share else set())
+    _steps(cache, [2, 3, 4, 5, 2, 3, 4, 5])
+    kept = cache.resident(("l0", 0)) and cache.resident(("l0", 1))
+    assert kept if hot_share else not cache.resident(("l0", 0))
+    # at the next choice the counts (halved at the first) are 0, 1: 4 each; 2, 5: 2; 3, 4: 2 + 4
+    _steps(cache, [3, 4] * 4)
+    assert cache.hot == ({("l0", 3), ("l0", 4)} if hot_share else set())
+    cache.close()
 
 
 def test_pinned_experts_are_never_evicted(tmp_path):

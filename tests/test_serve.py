@@ -230,7 +230,7 @@ def test_the_server_is_an_openai_json_body_per_error(server):
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x " * 400, "max_tokens": 1})
         message = r.json()["error"]["message"]
         assert r.status_code == 400 and "401" in message and "256" in message  # both lengths
-        r = http.post("/v1/completions", content=b"{not json")
+        r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "n": 5})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # more than parallel=4

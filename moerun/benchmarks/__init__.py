@@ -1,9 +1,11 @@
 """Benchmarks and their peers, each a mode of `moerun bench`: `layer` (one MoE layer vs
 transformers' block, the default), `model` (a whole generated model), `checkpoint` (a checkpoint
-moerun loads, with llama.cpp as a peer: `llama_cpp`), `offload` (expert streaming), `batch` and
-`serve` (batched generation, the HTTP server), `expert_parallel`; `pagecache` (dropping the page
-cache), `peers` (transformers' blocks on the same weights), `weight_bytes` (bytes read per token).
-`BenchSettings`: how every one of them measures."""
+moerun loads, with llama.cpp as a peer: `llama_cpp`), `memory_limit` (each engine alone under one
+memory limit, in a process of its own: `engine_run`), `offload` (expert streaming), `batch` and
+`serve` (batched generation, the HTTP server), `expert_parallel`; `cgroup` (a child memory cgroup),
+`pagecache` (dropping the page cache, the disk's sequential read), `procfs` (a process's reads and
+resident memory), `peers` (transformers' blocks on the same weights), `weight_bytes` (bytes read per
+token). `BenchSettings`: how every one of them measures."""
 
 from __future__ import annotations
 

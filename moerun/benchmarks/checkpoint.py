@@ -86,23 +86,29 @@ def run_checkpoint_bench(
     prefill_tokens: int = 256,
     peer: str | None = None,
     expert_parallel: bool = False,
+    memory_gb: float | None = None,
 ) -> dict | None:
     """Load `path` and measure it (see the module docstring; the device: cpu unless `settings` name
     one); `peer`: "llama.cpp" or None. `expert_parallel` (under torchrun): rank 0 measures the model
     with its experts spread over the ranks (the peer runs on rank 0 alone) and returns the figures;
-    the other ranks serve their experts until it is done and return None."""
+    the other ranks serve their experts until it is done and return None. `memory_gb`: moerun.load's."""
     from moerun.benchmarks.llama_cpp import LlamaCppPeer
 
     dtype, device, backend, log = settings.dtype, settings.device or "cpu", settings.backend, settings.log
     decode_steps, repeats = settings.decode_steps, settings.repeats
 
     if peer is not None:
-        _check_peer(peer, device, path)
+        check_peer_run(peer, device, path)
     path = Path(path)
     log(f"loading {path} ({dtype}, {device})")
     start = time.perf_counter()
     model = load(
-        path, dtype=COMPUTE_DTYPES[dtype], device=device, backend=backend, expert_parallel=expert_parallel
+        path,
+        dtype=COMPUTE_DTYPES[dtype],
+        device=device,
+        backend=backend,
+        expert_parallel=expert_parallel,
+        memory_gb=memory_gb,
     )
     load_s = time.perf_counter() - start
     ep = model.expert_parallel
@@ -173,7 +179,9 @@ def _model_figures(config) -> dict:
     }
 
 
-def _check_peer(peer: str, device: str, path: str | Path) -> None:
+def check_peer_run(peer: str, device: str, path: str | Path) -> None:
+    """Refuse, in one sentence, a peer other than llama.cpp, a device other than the CPU, or a file
+    llama.cpp cannot run (moerun.benchmarks.llama_cpp.check_peer)."""
     from moerun.benchmarks.llama_cpp import NAME, PeerError, check_peer
 
     if peer != NAME:

@@ -8,6 +8,7 @@ compiles llama.cpp for minutes when installed), so moerun never imports it outsi
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -42,25 +43,50 @@ def import_llama_cpp():
     return llama_cpp
 
 
+@contextlib.contextmanager
+def _no_repack(llama_cpp):
+    """llama_cpp.Llama built inside this loads as llama.cpp's `--no-repack` does: no extra buffer types,
+    so the weights stay in the file's map instead of a repacked copy in anonymous memory."""
+    low = llama_cpp.llama_cpp  # llama_cpp.Llama reads its default model parameters from here
+    if "use_extra_bufts" not in dict(low.llama_model_params._fields_):
+        raise PeerError(
+            f"llama-cpp-python {llama_cpp.__version__} cannot turn llama.cpp's weight repacking off "
+            "(its model parameters have no use_extra_bufts): install a newer one."
+        )
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
 class LlamaCppPeer:
     """A GGUF file in llama.cpp: `prefill(ids)` and `step(token)` return the last position's
-    logits, fp32 [vocab]."""
+    logits, fp32 [vocab]. `repack=False`: as `--no-repack` (weights used from the file's map)."""
 
     name = NAME
 
-    def __init__(self, path: str | Path, n_ctx: int, threads: int | None = None):
+    def __init__(self, path: str | Path, n_ctx: int, threads: int | None = None, repack: bool = True):
         llama_cpp = import_llama_cpp()
         threads = threads or torch.get_num_threads()
         self.version = f"{NAME} (llama-cpp-python {llama_cpp.__version__})"
-        self.llm = llama_cpp.Llama(
-            model_path=str(path),
-            n_ctx=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_batch=512,
-            logits_all=False,
-            verbose=False,
-        )
+        with contextlib.nullcontext() if repack else _no_repack(llama_cpp):
+            self.llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_batch=512,
+                logits_all=False,
+                verbose=False,
+            )
         self._logits = llama_cpp.llama_get_logits_ith
         self._vocab = self.llm.n_vocab()
 

@@ -5,7 +5,6 @@ Files are opened only through `moerun.loader`; family files map configs and name
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from moerun.checkpoint.fit import choose_fit
 from moerun.checkpoint.hf import canonical_tensors
 from moerun.decoder.config import ModelConfig
 from moerun.decoder.model import check_model_tensors
@@ -31,7 +31,6 @@ from moerun.moe.backends import ActivationMode, make_backend
 from moerun.moe.layer import FP32_TENSORS
 from moerun.moe.run import RunSpec
 from moerun.offload import CacheBudgetError, ExpertCache, ExpertStore
-from moerun.offload.budget import KV_RESERVE_TOKENS, auto_budget, free_device_memory
 from moerun.offload.pieces import stand_ins
 from moerun.quant.cache import DequantCache
 from moerun.quant.formats import QTensor
@@ -151,9 +150,17 @@ def load(
     progress: Callable[[int, int], None] | None = None,
     int8_activations: bool | None = None,
     expert_parallel: bool | ExpertParallel = False,
+    memory_gb: float | None = None,
 ) -> MoEModel:
     """Open a checkpoint: a Hugging Face safetensors directory (or a hub id found in the local
     cache) or a GGUF file.
+
+    Placement: without `expert_cache_gb`, the model stays resident when it fits the memory it may
+    use, and its experts are streamed from the checkpoint through a cache of what is left when not
+    (with `prefetch_k` the model's top-k); the decision is printed in one line on stderr. That memory
+    is `memory_gb` (an overall budget for the process, what it holds already included; on CUDA, of
+    the device), else the memory cgroup's limit or MemAvailable (on CUDA: the free device memory).
+    A model that cannot run within it is refused with the least it needs.
 
     `expert_cache_gb`: keep the dense part and this many GB of expert slots on the device and stream
     the other experts from the checkpoint (moerun.offload); too small a budget for one token's
@@ -177,6 +184,10 @@ def load(
         raise ValueError("prefetch_k needs expert_cache_gb: prefetching feeds the expert cache.")
     if host_cache_gb and expert_cache_gb is None:
         raise ValueError("host_cache_gb needs expert_cache_gb: the host tier serves the streamed experts.")
+    if memory_gb is not None and expert_cache_gb is not None:
+        raise ValueError("Give memory_gb or expert_cache_gb, not both: memory_gb chooses the expert cache.")
+    if memory_gb is not None and not memory_gb > 0:
+        raise ValueError(f"memory_gb must be > 0, got {memory_gb}.")
     if expert_parallel is True:
         expert_parallel = ExpertParallel.from_env(device=str(device))
     device = torch.device(device)
@@ -188,10 +199,10 @@ def load(
         expert_parallel.check_same("checkpoint config and options", f"{opened.config!r} {dtype} {backend!r}")
     fit = None
     if not expert_parallel and expert_cache_gb is None:
-        fit = _fit(opened, device, dtype)
-        if fit is not None and fit.budget_bytes is not None:
+        fit = choose_fit(opened, device, dtype, backend.native_linears, memory_gb)
+        if fit is not None and fit.streamed:
             expert_cache_gb = fit.budget_bytes / 2**30
-            print(f"moerun: {root}: {fit.describe()}", file=sys.stderr, flush=True)
+            prefetch_k = opened.config.moe.top_k if prefetch_k is None else prefetch_k
     streamed = expert_cache_gb is not None
     config, tensors, files = opened.tensors(dtype, streamed, expert_parallel or None)
     expert_cache = None
@@ -201,11 +212,11 @@ def load(
                 config, tensors, files, dtype, device, (expert_cache_gb, host_cache_gb)
             )
         except CacheBudgetError as err:
-            if fit is None:
+            if fit is None or err.minimum is None:
                 raise
-            raise CacheBudgetError(
-                f"{root}: the model does not fit the device: {fit.describe()} {err}"
-            ) from None
+            raise CacheBudgetError(f"{root}: {fit.too_small(err.minimum)}", err.minimum) from None
+    if fit is not None:  # the decision, once it holds
+        print(f"moerun: {root}: {fit.describe()}", file=sys.stderr, flush=True)
     run = RunSpec(
         device=device,
         dtype=dtype,
@@ -216,19 +227,10 @@ def load(
         expert_parallel=expert_parallel or None,
     )
     # streamed experts: storage-free stand-ins; the expert store has the bytes
-    return MoEModel(config, stand_ins(tensors), run, opened.tokenizer(), progress)
-
-
-def _fit(opened: _Opened, device: torch.device, dtype: torch.dtype):
-    """The device's budget for the model (moerun.offload.budget), or None where the free memory is
-    not known (a CPU: the model runs resident)."""
-    free = free_device_memory(device)
-    if free is None:
-        return None
-    dense, experts = (
-        _gguf_bytes(opened.gguf, dtype) if opened.gguf is not None else _hf_bytes(opened.hf, dtype)
-    )
-    return auto_budget(free, dense, experts, _kv_reserve_bytes(opened.config, dtype))
+    model = MoEModel(config, stand_ins(tensors), run, opened.tokenizer(), progress)
+    if expert_cache is not None:  # the dense part is the model's own now: its file pages may go
+        expert_cache.store.drop_cached()
+    return model
 
 
 @dataclass
@@ -340,40 +342,6 @@ def _expert_cache(
     except BaseException:
         store.close()
         raise
-
-
-def _hf_bytes(checkpoint: SafetensorsCheckpoint, dtype: torch.dtype) -> tuple[int, int]:
-    """(dense, expert) bytes the model holds on its device, from the file's header: floating tensors
-    in `dtype`, the others (MXFP4 blocks) as stored."""
-    sizes = [0, 0]
-    for name in checkpoint.names():
-        stored = checkpoint.dtype(name)
-        size = dtype.itemsize if stored.is_floating_point else stored.itemsize
-        sizes[".experts." in name] += math.prod(checkpoint.shape(name)) * size
-    return sizes[0], sizes[1]
-
-
-def _gguf_bytes(gguf: GGUFFile, dtype: torch.dtype) -> tuple[int, int]:
-    """(dense, expert) bytes the model holds on its device: quantised experts as stored, every other
-    tensor dense in `dtype` (views of the file are made; nothing is read)."""
-    sizes = [0, 0]
-    for name in gguf.tensor_names():
-        t, expert = gguf.tensor(name), "_exps." in name
-        quantised = isinstance(t, QTensor) and expert
-        sizes[expert] += t.nbytes if quantised else math.prod(t.shape) * dtype.itemsize
-    return sizes[0], sizes[1]
-
-
-def _kv_reserve_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    tokens = min(KV_RESERVE_TOKENS, config.max_positions)
-    return (
-        2
-        * config.num_layers
-        * config.attention.kv_heads
-        * config.attention.head_dim
-        * tokens
-        * dtype.itemsize
-    )
 
 
 def _tokenizer(read: Callable[[], Tokenizer], source: Path) -> Tokenizer | None:

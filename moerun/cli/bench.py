@@ -1,8 +1,8 @@
 """`moerun bench`: one MoE layer with a real model's shapes against transformers' block (the
 default), a whole generated model (--model), a checkpoint (--model PATH, with --peer llama.cpp on a
-GGUF file), expert streaming (--offload), batched generation (--model --batch), the HTTP server
-(--serve) or expert parallelism (--model --expert-parallel); a table or --json. MODES says which
-flags pick which benchmark."""
+GGUF file; with --memory-limit-gb each engine alone under that memory limit), expert streaming
+(--offload), batched generation (--model --batch), the HTTP server (--serve) or expert parallelism
+(--model --expert-parallel); a table or --json. MODES says which flags pick which benchmark."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from dataclasses import replace
 
 from moerun.benchmarks import BenchSettings
 from moerun.cli.common import (
+    add_memory_argument,
     add_threads_argument,
+    check_memory_argument,
     check_threads,
     expert_parallel,
     resolve_device,
@@ -29,6 +31,7 @@ def add_parser(commands) -> None:
     _add_measurement_flags(bench)
     _add_layer_flags(bench)
     _add_model_flags(bench)
+    _add_memory_limit_flags(bench)
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=run)
 
@@ -91,6 +94,7 @@ def _add_model_flags(bench: argparse.ArgumentParser) -> None:
         "llama-cpp-python",
     )
     bench.add_argument("--repeats", type=int, default=3, help="with --model: repetitions of each measurement")
+    add_memory_argument(bench)
     bench.add_argument(
         "--offload",
         action="store_true",
@@ -133,6 +137,38 @@ def _add_model_flags(bench: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_memory_limit_flags(bench: argparse.ArgumentParser) -> None:
+    """The --memory-limit-gb mode's: the limit, llama.cpp's repacking, moerun's expert store."""
+    bench.add_argument(
+        "--memory-limit-gb",
+        type=float,
+        metavar="N",
+        help="with --model FILE.gguf: each engine alone in a child memory cgroup of N GiB (moerun; with "
+        "--peer llama.cpp, llama.cpp too), decoding varied tokens: tok/s, the expert store's hit rate, "
+        "bytes read per token against the disk's sequential read, peak memory",
+    )
+    bench.add_argument(
+        "--peer-repack",
+        choices=["both", "on", "off"],
+        default="both",
+        help="with --memory-limit-gb: llama.cpp with its weight repacking on (its default), off (its "
+        "--no-repack: weights used from its map of the file) or both",
+    )
+    bench.add_argument(
+        "--expert-cache-gb",
+        type=float,
+        help="with --memory-limit-gb: moerun's expert cache (default: its choice)",
+    )
+    bench.add_argument("--host-cache-gb", type=float, help="with --memory-limit-gb: moerun's host tier")
+    bench.add_argument("--prefetch-k", type=int, help="with --memory-limit-gb: moerun's prefetch")
+    bench.add_argument(
+        "--run-timeout-s",
+        type=float,
+        default=3600.0,
+        help="with --memory-limit-gb: stop a run after this many seconds (its figures so far are kept)",
+    )
+
+
 # Each mode: (args, settings) -> (its figures, or None on a rank that does not report; the function
 # that writes them as a table). Each imports its benchmark when it runs.
 Figures = tuple[dict | None, Callable[[dict], str]]
@@ -147,8 +183,39 @@ def _checkpoint(args: argparse.Namespace, settings: BenchSettings) -> Figures:
         prefill_tokens=args.prefill_tokens or 256,
         peer=args.peer,
         expert_parallel=expert_parallel(args),
+        memory_gb=args.memory_gb,
     )
     return results, format_checkpoint_table  # rank 0 alone measures and reports
+
+
+def _memory_limit(args: argparse.Namespace, settings: BenchSettings) -> Figures:
+    from moerun.benchmarks.checkpoint import check_peer_run
+    from moerun.benchmarks.memory_limit import format_memory_limit_table, run_memory_limit_bench
+
+    if not args.model or not str(args.model).endswith(".gguf"):
+        raise ValueError("--memory-limit-gb runs on a GGUF file: give --model FILE.gguf.")
+    if args.memory_limit_gb <= 0:
+        raise ValueError(f"--memory-limit-gb must be > 0, not {args.memory_limit_gb:g}.")
+    if expert_parallel(args):
+        raise ValueError("--memory-limit-gb runs one process per engine: leave --expert-parallel out.")
+    if args.peer is not None:
+        check_peer_run(args.peer, settings.device or "cpu", args.model)
+    options = {
+        "expert_cache_gb": args.expert_cache_gb,
+        "host_cache_gb": args.host_cache_gb,
+        "prefetch_k": args.prefetch_k,
+    }
+    results = run_memory_limit_bench(
+        settings=settings,
+        path=args.model,
+        memory_limit_gb=args.memory_limit_gb,
+        prefill_tokens=args.prefill_tokens or 256,
+        peer=args.peer,
+        peer_repack=args.peer_repack,
+        moerun_options={key: value for key, value in options.items() if value is not None},
+        timeout_s=args.run_timeout_s,
+    )
+    return results, format_memory_limit_table
 
 
 def _offload(args: argparse.Namespace, settings: BenchSettings) -> Figures:
@@ -213,6 +280,7 @@ def _layer(args: argparse.Namespace, settings: BenchSettings) -> Figures:
 
 # mode -> (whether the flags ask for it, the function that runs it); the first asked for runs
 MODES: dict[str, tuple[Callable[[argparse.Namespace], bool], Callable[..., Figures]]] = {
+    "memory-limit": (lambda args: args.memory_limit_gb is not None, _memory_limit),  # --model FILE
     "checkpoint": (lambda args: bool(args.model), _checkpoint),  # --model PATH
     "offload": (lambda args: args.offload, _offload),
     "expert-parallel": (lambda args: args.model == "" and expert_parallel(args), _expert_parallel),
@@ -231,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device is not None:
         args.device = resolve_device(args.device)
     check_threads(args)
+    check_memory_argument(args)
     use_threads(args)
     if args.model is not None and args.offload:
         raise SystemExit("moerun bench: give --model or --offload, not both.")

@@ -71,11 +71,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the warm-up step after loading (kernels compiled on first use would then be timed)",
     )
+    add_memory_argument(parser)
     parser.add_argument(
         "--expert-cache-gb",
         type=float,
         default=None,
-        help="stream experts through a cache of this many GB instead of holding them all",
+        help="stream experts through a cache of this many GB instead of holding them all "
+        "(default: chosen from the memory moerun may use)",
     )
     parser.add_argument(
         "--prefetch-k", type=int, default=None, help="with --expert-cache-gb: experts to prefetch"
@@ -91,6 +93,26 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="with --expert-cache-gb: keep this many GB of recently read experts in host RAM",
     )
+
+
+def add_memory_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory the process may use in all (on CUDA: of the GPU); the model stays resident if it fits, "
+        "else its experts are streamed through a cache of what is left (default: the memory cgroup's "
+        "limit or MemAvailable; on CUDA the free GPU memory)",
+    )
+
+
+def check_memory_argument(args: argparse.Namespace) -> None:
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        raise ValueError(f"--memory-gb must be > 0, got {args.memory_gb}.")
+    if args.memory_gb is not None and getattr(args, "expert_cache_gb", None) is not None:
+        raise ValueError(
+            "give --memory-gb or --expert-cache-gb, not both: --memory-gb chooses the expert cache."
+        )
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
@@ -199,6 +221,7 @@ def check_model_arguments(args: argparse.Namespace) -> None:
     check_threads(args)
     if args.expert_cache_gb is not None and not args.expert_cache_gb > 0:
         raise ValueError(f"--expert-cache-gb must be > 0, got {args.expert_cache_gb}.")
+    check_memory_argument(args)
     if args.prefetch_k is not None and args.prefetch_k < 0:
         raise ValueError(f"--prefetch-k must be >= 0, got {args.prefetch_k}.")
     if not args.host_cache_gb >= 0:
@@ -281,6 +304,7 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
         progress=progress if terminal else None,
         int8_activations=ACTIVATION_MODES[args.activations],
         expert_parallel=expert_parallel(args),
+        memory_gb=args.memory_gb,
     )
     erase = "\r" if terminal else ""
     err.write(
@@ -292,6 +316,13 @@ def load_with_progress(args: argparse.Namespace, err: TextIO | None = None):
         if (seconds := time.perf_counter() - start) >= 0.5:
             err.write(f"warmed up in {seconds:.1f} s\n")
     return model
+
+
+def _ways(reads: dict | None) -> str:
+    """How the expert reads went: " by 12 O_DIRECT and 0 pread reads"."""
+    if not reads:
+        return ""
+    return f" by {reads['direct']} O_DIRECT and {reads['pread']} pread reads"
 
 
 def summary(stats: dict) -> str:
@@ -320,7 +351,8 @@ def summary(stats: dict) -> str:
         parts.append(
             f"experts: {offload['slots']} slots ({offload['cache_bytes'] / 2**30:.2f} GiB), "
             f"hit rate {t['hits'] / max(requests, 1):.0%} ({t['misses']} misses, "
-            f"{t['bytes_read'] / 2**20:.0f} MiB read), route {t['route_ms']:.0f} ms, "
+            f"{t['bytes_read'] / 2**20:.0f} MiB read{_ways(offload.get('reads'))}), "
+            f"route {t['route_ms']:.0f} ms, "
             f"fetch {t['fetch_ms']:.0f} ms, compute {t['compute_ms']:.0f} ms, "
             f"prefetch {t['prefetch_used']}/{t['prefetch_issued']} used"
         )

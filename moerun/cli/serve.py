@@ -35,6 +35,14 @@ def add_parser(commands) -> None:
     serve.add_argument(
         "--alias", default=None, help="the model's name in the API (default: the path's last part)"
     )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long running requests may take to finish before they end "
+        "with an error",
+    )
     serve.set_defaults(run=run_serve)
 
 
@@ -45,6 +53,8 @@ def run_serve(args: argparse.Namespace) -> int:
     ):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}.")
+    if not 0 <= args.drain_timeout < float("inf"):
+        raise ValueError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}.")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}.")
     check_model_arguments(args)
@@ -71,6 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
         parallel=args.parallel,
         queue_size=args.queue_size,
         api_key=args.api_key,
+        drain_s=args.drain_timeout,
     )
     serve(load, lambda model: context_size(args, model), name, settings, log)
     return 0

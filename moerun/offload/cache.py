@@ -13,27 +13,42 @@ of predicted experts into free or evictable slots without waiting for them.
 Budget: each layout gets the `top_k` slots one token's experts need in one layer (layers run one
 after another, so that is the minimum that works); the rest of the budget is shared in proportion
 to each layout's expert bytes, and never more slots than the layout has experts.
+
+Hot experts are pinned by observed frequency: the cache counts each expert's requests, and every
+`HOT_PERIOD` steps the most requested experts, up to `HOT_SHARE` of each pool's slots beyond one
+token's, become the hot set (the counts are then halved, so the set follows the text). An expert of
+the hot set is never evicted while a colder one can be: the eviction policy (LRU by default) chooses
+among the others. A run of experts used once (a prompt on a new subject, wrong predictions) then
+replaces only the other slots, not the experts most tokens use.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 
 import torch
 
+from moerun.offload.budget import gb_at_least
 from moerun.offload.policy import POLICIES, EvictionPolicy
 from moerun.offload.stats import OffloadStats
 from moerun.offload.store import ExpertStore, Key, Layout
 from moerun.offload.throttle import PrefetchThrottle
 
+HOT_PERIOD = 16  # steps between choices of the hot set
+HOT_SHARE = 0.75  # of each pool's slots beyond one token's, the most the hot set holds
+
 
 class CacheBudgetError(ValueError):
-    """An expert cache budget too small for one token's experts."""
+    """An expert cache budget too small for one token's experts; `minimum` is the least that works."""
+
+    def __init__(self, message: str, minimum: int | None = None):
+        super().__init__(message)
+        self.minimum = minimum
 
 
 class CacheCorruptError(RuntimeError):
@@ -62,13 +77,6 @@ def slot_bytes(layout: Layout) -> int:
     return sum(part.nbytes for part in layout)
 
 
-def gb_at_least(nbytes: int) -> float:
-    """nbytes in GB, rounded up to 4 significant digits (so the figure, given back, is enough)."""
-    gb = nbytes / 2**30
-    scale = 10 ** (3 - math.floor(math.log10(gb)))
-    return math.ceil(gb * scale) / scale
-
-
 def minimum_bytes(store: ExpertStore, top_k: int) -> int:
     """The smallest budget that works: top_k slots of every layout."""
     return sum(top_k * slot_bytes(layout) for layout in {store.layout(layer) for layer in store.sources})
@@ -95,7 +103,8 @@ class ExpertCache:
             raise CacheBudgetError(
                 f"An expert cache of {budget_bytes / 2**30:.6g} GB ({budget_bytes} bytes) cannot hold one "
                 f"token's {top_k} experts of a layer; the minimum is expert_cache_gb={gb_at_least(need)} "
-                f"({need} bytes)."
+                f"({need} bytes).",
+                need,
             )
         spare = budget_bytes - need
         weight = {layout: len(names) * slot_bytes(layout) for layout, names in layers.items()}
@@ -113,6 +122,8 @@ class ExpertCache:
         self.last_step = OffloadStats()
         self._step_start = OffloadStats()
         self._lock = threading.Lock()  # reader threads add bytes_read
+        self.requests: Counter[Key] = Counter()  # requests per expert, halved at each choice of `hot`
+        self.hot: frozenset[Key] = frozenset()  # experts kept out of eviction while others can go
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # -- sizes -------------------------------------------------------------------------------
@@ -140,6 +151,7 @@ class ExpertCache:
         try:
             for key in keys:
                 pool = self._pool_of[key[0]]
+                self.requests[key] += 1
                 slot = pool.table.get(key)
                 if slot is None:
                     slot = self._claim(pool, key, pinned_request=True)
@@ -228,7 +240,8 @@ class ExpertCache:
                     f"The expert cache's {pool.num_slots} slots for {key[0]} are all in use by this step; "
                     "ask for at most that many experts at once."
                 )
-            slot = pool.policy.victims(candidates, 1)[0]
+            cold = [s for s in candidates if pool.keys[s] not in self.hot]
+            slot = pool.policy.victims(cold or candidates, 1)[0]
             self._evict(pool, slot)
         pool.keys[slot] = key
         pool.table[key] = slot
@@ -301,8 +314,21 @@ class ExpertCache:
     def end_step(self) -> None:
         self.stats.steps += 1
         self.last_step = self.stats - self._step_start
+        if self.stats.steps % HOT_PERIOD == 0:
+            self.choose_hot()
         if self.debug:
             self.verify()
+
+    def choose_hot(self) -> None:
+        """The hot set from the request counts: per pool, the most requested experts, at most
+        HOT_SHARE of its slots beyond top_k (ties: the expert requested first); the counts halve."""
+        hot: list[Key] = []
+        for pool in self._pools.values():
+            most = int(HOT_SHARE * (pool.num_slots - self.top_k))
+            keys = [k for k in self.requests if self._pool_of[k[0]] is pool]
+            hot += sorted(keys, key=lambda k: -self.requests[k])[:most]
+        self.hot = frozenset(hot)
+        self.requests = Counter({k: n // 2 for k, n in self.requests.items() if n > 1})
 
     def record(self, route_ms: float = 0.0, compute_ms: float = 0.0) -> None:
         self.stats.route_ms += route_ms
@@ -312,6 +338,8 @@ class ExpertCache:
         return {
             "slots": self.num_slots,
             "cache_bytes": self.nbytes,
+            "hot": len(self.hot),
+            "reads": self.store.read_counts(),
             "last_step": self.last_step.as_dict(),
             "total": self.stats.as_dict(),
         }

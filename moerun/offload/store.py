@@ -4,10 +4,12 @@ Each streamed projection of a layer is an `ExpertSource` over what the loader ga
 [E, ...] expert tensor, or an `ExpertPieces` (moerun.offload.pieces) describing how expert e joins
 from pieces of stored tensors (per-expert names, GGUF gate and up, GPT-OSS MXFP4 blocks and scales)
 that were never joined in RAM. Whatever is a contiguous view of a memory-mapped checkpoint file is
-read from the file at its offset by the loader's `FileReader` (moerun.loader.reads): only that
-expert's bytes are touched, the GIL is released while reading, and a file truncated under us gives a
-clear `ExpertReadError` instead of a SIGBUS from the map. What is only in RAM (a converted model) is
-copied from there.
+read from the file at its offset by the loader's `FileReader` (moerun.loader.reads), with O_DIRECT
+where the filesystem takes it (else pread, the range then dropped from the page cache): only that
+expert's bytes are read, never through the map (which would keep every expert read in the page
+cache), the GIL is released while reading, and a file truncated under us gives a clear
+`ExpertReadError` instead of a SIGBUS from the map. What is only in RAM (a converted model) is copied
+from there.
 
 Dense projections are converted to the compute dtype on read when the file stores another dtype,
 so a slot always holds exactly what the resident model would compute with. An optional host-RAM
@@ -35,6 +37,7 @@ from moerun.quant.scales import first_nonfinite_block
 
 Key = tuple[str, int]  # (layer name, expert id)
 PROJECTIONS = ("gate_up", "down")
+READERS = 4  # reader threads: each expert read runs on one (its long ranges in chunks on the FileReader's)
 
 
 class ExpertReadError(RuntimeError):
@@ -116,7 +119,10 @@ class ExpertSource:
             return self.source_bytes
         for i, piece in enumerate(pieces):
             loc, view = self.where[i][e], piece.views[e]
-            if loc is not None and not piece.transposed and view.dtype == dest.dtype:
+            # rows that land as stored are read into the slot; O_DIRECT (copying from an aligned
+            # buffer) reads rows spread over the slot whole, then one strided copy puts them in place
+            as_stored = not piece.transposed and view.dtype == dest.dtype
+            if loc is not None and as_stored and (piece.step == 1 or not files.direct(loc[0])):
                 row_bytes = dest[0].numel() * dest.element_size()
                 flat = memoryview(dest.view(-1).view(torch.uint8).numpy())
                 starts = [piece.row] if piece.step == 1 else range(piece.row, dest.shape[0], piece.step)
@@ -214,20 +220,23 @@ class ExpertStore:
         layers: Mapping[str, Mapping[str, torch.Tensor | QTensor | ExpertPieces]],
         dtype: torch.dtype,
         files: Sequence[MappedFile] = (),
-        readers: int = 4,
+        readers: int = READERS,
         host_budget_bytes: int = 0,
         pin: bool = False,
+        direct: bool = True,
     ):
         """`layers[name]` holds "gate_up" and "down" ([E, out, in] dense, QTensor or ExpertPieces);
         dense ones are read into `dtype`. `files` are the checkpoint's mapped files, so views of them
-        are read from the files. `host_budget_bytes` > 0 adds the host-RAM tier (pinned when `pin`)."""
+        are read from the files (with O_DIRECT where the filesystem takes it and `direct`).
+        `host_budget_bytes` > 0 adds the host-RAM tier (pinned when `pin`)."""
         self.dtype = dtype
         self.sources = {
             layer: {p: ExpertSource(weights[p], p, dtype, files) for p in PROJECTIONS}
             for layer, weights in layers.items()
         }
         self.files = FileReader(
-            path for srcs in self.sources.values() for s in srcs.values() for path in s.files
+            (path for srcs in self.sources.values() for s in srcs.values() for path in s.files),
+            direct=direct,
         )
         self.host = HostTier(host_budget_bytes, pin) if host_budget_bytes > 0 else None
         self.pin = pin
@@ -243,6 +252,11 @@ class ExpertStore:
     def file_backed(self, layer: str) -> dict[str, bool]:
         """Projection -> whether it is read from the file (False: from a host copy made at load)."""
         return {p: s.file_backed for p, s in self.sources[layer].items()}
+
+    def read_counts(self) -> dict[str, int]:
+        """Ranges read from the files with O_DIRECT and with pread, and the bytes each way read."""
+        (direct, direct_bytes), (pread, pread_bytes) = self.files.counts["direct"], self.files.counts["pread"]
+        return {"direct": direct, "direct_bytes": direct_bytes, "pread": pread, "pread_bytes": pread_bytes}
 
     def read_into(self, key: Key, dests: Mapping[str, torch.Tensor]) -> int:
         """Expert `key`'s projections into host tensors `dests` (part name -> tensor); bytes read
@@ -280,6 +294,11 @@ class ExpertStore:
                     "(inf or NaN); the file is damaged or was written wrong."
                 )
         return total
+
+    def drop_cached(self) -> None:
+        """Drop the checkpoint files' pages from the page cache (those no map holds): a streamed
+        model's dense part is its own copy, and the experts are read around the cache."""
+        self.files.drop_cached()
 
     def empty(self, layer: str, pin: bool = False) -> dict[str, torch.Tensor]:
         """Host buffers for one expert of `layer` (pinned when asked)."""

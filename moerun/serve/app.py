@@ -3,14 +3,21 @@ scheduler (moerun.serve.scheduler). Each completion request is checked (moerun.s
 submitted, and answered whole or streamed as server-sent events (`data: {chunk}` lines, then
 `data: [DONE]`); a client that goes away mid-request has its job cancelled, which frees its slot
 before the next step. Errors come in OpenAI's JSON shape with their status; nothing a client sends
-takes the server down."""
+takes the server down.
+
+Bodies are JSON sent as such: a POST without `Content-Type: application/json` (or another `+json`
+type) gets a 415, as FastAPI's strict default does, so a web page cannot make a browser post to a
+server on loopback without the CORS preflight this server never answers. Text is tokenised off the
+event loop (a long prompt delays no other request), after a bound on its characters: a prompt longer
+than the context times the longest token of the vocabulary cannot fit and is refused untokenised."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -20,9 +27,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from moerun.serve import protocol
-from moerun.serve.harmony import ChannelSplitter, harmony_markers
-from moerun.serve.protocol import APIError, Body, Options, bad
-from moerun.serve.scheduler import Job, QueueFull, Scheduler
+from moerun.serve.choices import ChatChoice, text_choice, text_chunk
+from moerun.serve.protocol import APIError, Body, bad
+from moerun.serve.scheduler import SHUTTING_DOWN, Job, QueueFull, Scheduler
+from moerun.text.reply import ReplyFormat, ReplyParser
 
 MAX_BODY = 4 << 20  # bytes of a request body
 POLL_S = 0.25  # how often a whole-response request checks that its client is still there
@@ -40,6 +48,7 @@ class ServerState:
     scheduler: Scheduler | None = None
     load_error: str | None = None
     started: float = field(default_factory=time.time)
+    chars_per_token: int | None = None  # the most characters one token covers (0: no bound known)
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -82,7 +91,13 @@ async def not_found(request: HTTPRequest, exc: HTTPException) -> Response:
 
 
 async def read_body(request: HTTPRequest) -> Body:
-    """The request's JSON body, refused past MAX_BODY bytes (413) or when it is not JSON (400)."""
+    """The request's JSON body, refused when not sent as JSON (415), past MAX_BODY bytes (413), or
+    when it is not JSON or holds a lone UTF-16 surrogate, which is not text (400)."""
+    kind = request.headers.get("content-type", "")
+    media = kind.split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        got = f"'{kind[:60]}'" if kind else "none"
+        raise APIError(415, f"Send the body as JSON, with 'Content-Type: application/json' (got {got}).")
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
         raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
@@ -92,11 +107,39 @@ async def read_body(request: HTTPRequest) -> Body:
         if total > MAX_BODY:
             raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
         chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks))
+    raw = b"".join(chunks)
+    try:  # a long body in a thread: parsing megabytes would hold up the other requests
+        data = json.loads(raw) if len(raw) < 1 << 16 else await asyncio.to_thread(json.loads, raw)
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deep, too many digits
         raise bad(f"The request body is not valid JSON: {str(e)[:120]}") from None
-    return Body(data)
+    body = Body(data)
+    if _SURROGATE_ESCAPE.search(raw) and (path := _lone_surrogate(data)) is not None:
+        name = path[0] + "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in path[1:])
+        raise bad(f"'{name}' holds a lone UTF-16 surrogate, which is not text: send valid Unicode.", path[0])
+    return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how JSON writes one (a pair is two)
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
+
+
+def _lone_surrogate(data) -> tuple | None:
+    """The path (top-level field first) to a string or key of `data` that holds a lone surrogate
+    (json.loads joins a valid pair into one character), or None."""
+    stack = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict | list):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return (*path, key.encode("utf-8", "backslashreplace").decode())
+                if isinstance(item, str | dict | list):
+                    stack.append((item, (*path, key)))
+    return None
 
 
 class Routes:
@@ -105,6 +148,7 @@ class Routes:
 
     def __init__(self, state: ServerState):
         self.state = state
+        self._format: tuple[object, ReplyFormat] | None = None  # (model, its reply format)
 
     # --- the checks ---
 
@@ -129,6 +173,22 @@ class Routes:
             )
             raise APIError(503, message, None, "model_not_ready")
         return state.model, state.scheduler
+
+    def reply_format(self, model) -> ReplyFormat:
+        """How `model` writes a chat reply (its reasoning, its tool calls), found once; a chat needs
+        a tokenizer."""
+        if model.tokenizer is None:
+            raise bad("This model has no tokenizer, so it cannot chat.", "messages")
+        if self._format is None or self._format[0] is not model:
+            self._format = (model, ReplyFormat.of(model.tokenizer, model.config.model_type))
+        return self._format[1]
+
+    def chars_per_token(self, model) -> int:
+        """The most characters one token of `model`'s vocabulary covers, found once; 0 if no bound
+        holds (a vocabulary that joins a run of unknown characters into one token)."""
+        if self.state.chars_per_token is None:
+            self.state.chars_per_token = _chars_per_token(model.tokenizer)
+        return self.state.chars_per_token
 
     def check_model_name(self, body: Body) -> None:
         name, served = body.text("model"), self.state.model_name
@@ -156,10 +216,22 @@ class Routes:
         self.check_model_name(body)
         context = self.state.context
         kwargs, options = protocol.generation_options(body, chat, context)
-        job_request = protocol.make_request(model, _prompt(model, body, chat), kwargs, context)
-        if job_request.n > scheduler.parallel:
+
+        def make():  # rendering and tokenising: in a thread, so other requests go on meanwhile
+            most = context * self.chars_per_token(model) or None
+            if chat:
+                prompt, parser = _chat_prompt(model, body, self.reply_format(model), most)
+            else:
+                prompt, parser = _prompt(model, body, most), None
+            return protocol.make_request(model, prompt, kwargs, context), parser
+
+        job_request, parser = await asyncio.to_thread(make)
+        n = job_request.n
+        if n > scheduler.parallel:
             message = f"'n' must be at most {scheduler.parallel}, the sequences this server runs at once."
             raise bad(message, "n")
+        # a chat's choices, each read by a parser of its own
+        replies = [ChatChoice(parser(), model.tokenizer, options, i) for i in range(n)] if chat else None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -169,27 +241,34 @@ class Routes:
         try:
             job = scheduler.submit(job_request, sink)
         except QueueFull as e:
+            if str(e) == SHUTTING_DOWN:
+                raise APIError(503, SHUTTING_DOWN, None, "shutting_down") from None
             raise APIError(503, f"The server is busy: {e} Retry later.", None, "queue_full") from None
         response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         if options.stream:
             return StreamingResponse(
-                self._stream(model, scheduler, job, events, chat, options, response_id),
+                self._stream(model.tokenizer, scheduler, job, events, replies, options, response_id),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         tokens, stats = await _collect(request, scheduler, job, events)
-        choices = [
-            _whole_choice(model.tokenizer, tokens[i], s, chat, options, i) for i, s in enumerate(stats)
-        ]
+        if replies is not None:
+            choices = [reply.whole(tokens[i], stats[i]) for i, reply in enumerate(replies)]
+        else:
+            choices = [text_choice(model.tokenizer, tokens[i], s, options, i) for i, s in enumerate(stats)]
         kind = "chat.completion" if chat else "text_completion"
         return JSONResponse(
             protocol.envelope(kind, response_id, self.state.model_name, choices, usage=protocol.usage(stats))
         )
 
-    async def _stream(self, model, scheduler, job, events, chat, options, response_id) -> AsyncIterator[str]:
+    async def _stream(
+        self, tokenizer, scheduler, job, events, replies: list[ChatChoice] | None, options, response_id
+    ) -> AsyncIterator[str]:
         """The job's events as server-sent events: a chunk per batch of a choice's tokens (its
-        `index`), each choice's finish reason (and usage when asked), then [DONE]; the job is
-        cancelled if the client goes away first."""
+        `index`; a chat's tool calls in chunks of their own), each choice's finish reason (and usage
+        when asked), then [DONE]; the job is cancelled if the client goes away first. `replies`: a
+        chat's choices, None for a completion."""
+        chat = replies is not None
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict, **extra) -> str:
@@ -197,34 +276,33 @@ class Routes:
             data = protocol.envelope(kind, response_id, self.state.model_name, choices, **extra)
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        n = job.request.n
-        offsets = [0] * n
-        markers = harmony_markers(model.tokenizer) if chat else None
-        channels = [ChannelSplitter(markers) if markers else None for _ in range(n)]
+        offsets = [0] * job.request.n  # characters streamed, per choice
         try:
-            if chat:
-                for i in range(n):
-                    first = {"role": "assistant", "content": ""}
-                    yield chunk({"index": i, "delta": first, "logprobs": None, "finish_reason": None})
+            for reply in replies or ():
+                yield chunk(reply.first_chunk())
             while True:
                 event, payload = await events.get()
                 if event == "tokens":
                     i, tokens = payload
-                    yield chunk(
-                        _token_choice(model.tokenizer, tokens, chat, options, channels[i], offsets[i], i)
-                    )
-                    offsets[i] += sum(len(t.text) for t in tokens)
+                    if chat:
+                        for choice in replies[i].chunks(tokens):
+                            yield chunk(choice)
+                    else:
+                        yield chunk(text_chunk(tokenizer, tokens, options, offsets[i], i))
+                        offsets[i] += sum(len(t.text) for t in tokens)
                 elif event == "done":
                     for i, stats in enumerate(payload):
-                        finish = protocol.FINISH.get(stats["finish_reason"], "stop")
-                        last = {"index": i, "delta": {}} if chat else {"index": i, "text": ""}
-                        yield chunk({**last, "logprobs": None, "finish_reason": finish})
+                        if chat:
+                            for choice in replies[i].last_chunks(stats):
+                                yield chunk(choice)
+                        else:
+                            finish = protocol.FINISH.get(stats["finish_reason"], "stop")
+                            yield chunk({"index": i, "text": "", "logprobs": None, "finish_reason": finish})
                     if options.include_usage:
                         yield chunk({}, usage=protocol.usage(payload))
                     break
                 else:
-                    error = APIError(500, str(payload))
-                    yield f"data: {json.dumps(error.body())}\n\n"
+                    yield f"data: {json.dumps(_job_error(payload).body())}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the generator is closed) or the answer is complete
@@ -266,34 +344,84 @@ class Routes:
         text = body.text("content") if body.has("content") else body.text("prompt")
         if text is None:
             raise bad("Give the text as 'content' (or 'prompt').", "content")
-        ids = model.tokenizer.encode(text, add_special_tokens=body.flag("add_special", True))
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.state.context})
+        special = body.flag("add_special", True)
+        ids = await asyncio.to_thread(model.tokenizer.encode, text, add_special_tokens=special)
+        answer = {"tokens": ids, "count": len(ids), "max_model_len": self.state.context}
+        return await asyncio.to_thread(JSONResponse, answer)  # up to a million ids to write
 
     async def detokenize(self, request: HTTPRequest) -> Response:
         body, model = await self._text_request(request)
         ids = body.data.get("tokens")
         vocab = model.config.vocab_size
-        if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
-        ):
-            raise bad(f"'tokens' must be a list of token ids in [0, {vocab}).", "tokens")
-        return JSONResponse({"content": model.tokenizer.decode(ids)})
+
+        def answer() -> Response:  # in a thread: up to a million ids to check and decode
+            if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
+            ):
+                raise bad(f"'tokens' must be a list of token ids in [0, {vocab}).", "tokens")
+            # decode_batch is tokenizer.decode's text, and lets the event loop run while it works
+            text = model.tokenizer.backend.decode_batch([ids], skip_special_tokens=True)[0]
+            return JSONResponse({"content": text})
+
+        return await asyncio.to_thread(answer)
 
 
-def _prompt(model, body: Body, chat: bool) -> str | list[int]:
-    """A chat's messages in the model's template (its ids), or a completion's prompt (text or ids)."""
-    if chat:
-        if model.tokenizer is None:
-            raise bad("This model has no tokenizer, so it cannot chat.", "messages")
-        messages = protocol.chat_messages(body)
-        try:
-            return model.tokenizer.encode_chat(messages)
-        except ValueError as e:  # no template, or one that refuses these messages
-            raise bad(str(e)[:300], "messages") from None
+def _prompt(model, body: Body, most: int | None) -> str | list[int]:
+    """A completion's prompt (text or ids); text of more than `most` characters is refused before
+    it is tokenised."""
     prompt = protocol.completion_prompt(body)
     if isinstance(prompt, str) and model.tokenizer is None:
         raise bad("This model has no tokenizer, so the prompt must be token ids.", "prompt")
+    if isinstance(prompt, str):
+        _check_length(prompt, most, "prompt")
     return prompt
+
+
+def _chat_prompt(
+    model, body: Body, fmt: ReplyFormat, most: int | None
+) -> tuple[list[int], Callable[[], ReplyParser]]:
+    """A chat's messages (and tools) in the model's template -> (its ids, what makes a parser for a
+    reply, which `fmt` says how to read: one per choice); a rendering of more than `most` characters
+    is refused before it is tokenised."""
+    messages = protocol.chat_messages(body)
+    tools = protocol.chat_tools(body)
+    variables = protocol.template_variables(body)
+    if tools is not None and tools.parsed and not fmt.calls_tools():
+        raise bad(
+            f"This model ({model.config.model_type}) has no tool-call syntax moerun can read: its chat "
+            "template names none, nor does its vocabulary or family.",
+            "tools",
+        )
+    try:
+        text = model.tokenizer.render_chat(messages, tools=list(tools.tools) if tools else None, **variables)
+    except ValueError as e:  # no template, or one that refuses these messages
+        raise bad(str(e)[:300], "messages") from None
+    _check_length(text, most, "messages")
+    return model.tokenizer.encode(text, add_special_tokens=False), lambda: fmt.parser(text, tools)
+
+
+def _check_length(text: str, most: int | None, field: str) -> None:
+    if most is not None and len(text) > most:
+        raise bad(
+            f"The prompt's {len(text)} characters cannot fit this server's context: at most {most} "
+            "can (the context times the most characters one token of this vocabulary covers).",
+            field,
+        )
+
+
+def _chars_per_token(tokenizer) -> int:
+    """The most characters of text one token can stand for: its longest entry (byte-level vocabularies
+    spell each byte as one character, SentencePiece ones each character as one), or 0 where a token
+    may stand for any number (a BPE that joins a run of unknown characters into one unknown token,
+    a non-BPE model)."""
+    from tokenizers.models import BPE
+
+    if tokenizer is None:
+        return 0
+    backend = tokenizer.backend.model
+    if not isinstance(backend, BPE) or (backend.fuse_unk and not backend.byte_fallback):
+        return 0
+    return max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=0)
 
 
 async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events: asyncio.Queue):
@@ -314,52 +442,17 @@ async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events:
             elif kind == "done":
                 return tokens, payload
             else:
-                raise APIError(500, str(payload))
+                raise _job_error(payload)
     except asyncio.CancelledError:
         scheduler.cancel(job)
         raise
 
 
-def _whole_choice(tokenizer, tokens: list, stats: dict, chat: bool, options: Options, index: int) -> dict:
-    """A whole response's choice `index`: the message (gpt-oss: its reasoning apart) or the text."""
-    text = "".join(t.text for t in tokens)
-    finish = protocol.FINISH.get(stats["finish_reason"], "stop")
-    if not chat:
-        logprobs = (
-            protocol.completion_logprobs(tokenizer, tokens, options.logprobs)
-            if options.want_logprobs
-            else None
-        )
-        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
-    message = {"role": "assistant", "content": text}
-    if markers := harmony_markers(tokenizer):  # gpt-oss: the reasoning apart
-        reasoning, message["content"] = ChannelSplitter(markers).push(tokens)
-        message["reasoning_content"] = reasoning or None
-    logprobs = protocol.chat_logprobs(tokenizer, tokens, options.logprobs) if options.want_logprobs else None
-    return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
-
-
-def _token_choice(
-    tokenizer, tokens: list, chat: bool, options: Options, channels, offset: int, index: int
-) -> dict:
-    """A streamed chunk's choice `index` for a batch of its new tokens: a delta (gpt-oss: the
-    reasoning apart, through `channels`) or text; `offset`: the characters streamed before them."""
-    text = "".join(t.text for t in tokens)
-    if not chat:
-        logprobs = (
-            protocol.completion_logprobs(tokenizer, tokens, options.logprobs, offset)
-            if options.want_logprobs
-            else None
-        )
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
-    logprobs = protocol.chat_logprobs(tokenizer, tokens, options.logprobs) if options.want_logprobs else None
-    delta = {"content": text}
-    if channels is not None:  # gpt-oss: the reasoning apart
-        reasoning, answer = channels.push(tokens)
-        delta = {"reasoning_content": reasoning} if reasoning else {}
-        if answer or not reasoning:
-            delta["content"] = answer
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+def _job_error(message) -> APIError:
+    """A job's error event: a 503 when the server is shutting down, else a 500."""
+    if message == SHUTTING_DOWN:
+        return APIError(503, SHUTTING_DOWN, None, "shutting_down")
+    return APIError(500, str(message))
 
 
 def _metrics(state: ServerState) -> str:

@@ -1,10 +1,10 @@
 """OpenAI's API shapes: a request body checked field by field into a moerun.batching.Request, and
 the response objects (whole, and streamed chunk by chunk) built from the tokens that come back.
 
-Fields the API defines and moerun does not do (tools, `echo`, `suffix`, ...) are refused with a 400
-naming them; fields it does not know are ignored, as OpenAI's own server does. `response_format`
-goes to Request.make, which compiles its grammar (moerun.text.grammar): a format it cannot enforce
-is a 400 naming what.
+Fields the API defines and moerun does not do (`echo`, `suffix`, the old `functions`, ...) are
+refused with a 400 naming them; fields it does not know are ignored, as OpenAI's own server does.
+`response_format` goes to Request.make, which compiles its grammar (moerun.text.grammar): a format it
+cannot enforce is a 400 naming what.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 from moerun.batching import Request, Token
 from moerun.text.grammar import GrammarError
+from moerun.text.tool_calls import ToolRequest, ToolRequestError
 
 # OpenAI's finish reasons; moerun's "context" (the context filled) is OpenAI's "length"
 FINISH = {"stop": "stop", "length": "length", "context": "length"}
 MAX_STOPS = 16
+MAX_STOP_CHARS = 4096  # the stop strings' characters together
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16  # `n`; a server also refuses more than it runs at once (`parallel`)
 
@@ -38,6 +40,7 @@ class APIError(Exception):
             401: "authentication_error",
             404: "not_found_error",
             413: "invalid_request_error",
+            415: "invalid_request_error",
             503: "server_error",
         }.get(self.status, "server_error")
 
@@ -111,9 +114,14 @@ class Options:
 def generation_options(body: Body, chat: bool, context: int) -> tuple[dict, Options]:
     """The sampling, length and stop fields -> (keyword arguments of Request.make, Options)."""
     n = body.integer("n", 1, 1, MAX_CHOICES)
-    for unsupported in ("tools", "functions", "tool_choice", "suffix", "best_of"):
+    for unsupported in ("functions", "function_call", "suffix", "best_of"):
         if body.has(unsupported):
-            raise bad(f"'{unsupported}' is not supported by this server.", unsupported)
+            use = " (give 'tools' instead)" if unsupported.startswith("function") else ""
+            raise bad(f"'{unsupported}' is not supported by this server{use}.", unsupported)
+    if not chat:
+        for chat_only in ("tools", "tool_choice"):
+            if body.has(chat_only):
+                raise bad(f"'{chat_only}' is a field of /v1/chat/completions.", chat_only)
     if body.flag("echo"):
         raise bad("'echo' is not supported by this server.", "echo")
     limit_name = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
@@ -128,6 +136,8 @@ def generation_options(body: Body, chat: bool, context: int) -> tuple[dict, Opti
     else:
         raise bad(f"'stop' must be a string or a list of at most {MAX_STOPS} strings.", "stop")
     stops = [s for s in stops if s]
+    if sum(map(len, stops)) > MAX_STOP_CHARS:
+        raise bad(f"The 'stop' strings must hold at most {MAX_STOP_CHARS} characters together.", "stop")
     top_k = body.integer("top_k", 0, -1, 1 << 20)
     seed = body.integer("seed", None, -(1 << 63), (1 << 63) - 1)
     sampling = dict(
@@ -161,7 +171,8 @@ def generation_options(body: Body, chat: bool, context: int) -> tuple[dict, Opti
 
 
 def chat_messages(body: Body) -> list[dict]:
-    """'messages' -> the list the chat template takes (text content only)."""
+    """'messages' -> the list the chat template takes: text content, an assistant's earlier
+    `tool_calls` and its reasoning, a `tool` message's `tool_call_id` and `name`."""
     messages = body.data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of {role, content} objects.", "messages")
@@ -183,11 +194,84 @@ def chat_messages(body: Body) -> list[dict]:
             content = "".join(texts)
         elif content is not None and not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts.", "messages")
-        entry = {"role": message["role"], "content": content or ""}
-        if isinstance(message.get("reasoning_content"), str):  # gpt-oss: an earlier turn's thinking
-            entry["thinking"] = message["reasoning_content"]
+        calls = _tool_calls(message, i)
+        entry = {"role": message["role"], "content": None if calls and not content else content or ""}
+        if calls:
+            entry["tool_calls"] = calls
+        for name in ("tool_call_id", "name"):
+            value = message.get(name)
+            if value is not None and not isinstance(value, str):
+                raise bad(f"messages[{i}].{name} must be a string.", "messages")
+            if value is not None:
+                entry[name] = value
+        if isinstance(message.get("reasoning_content"), str):  # an earlier turn's thinking
+            entry["reasoning_content"] = message["reasoning_content"]
         out.append(entry)
     return out
+
+
+def _tool_calls(message: dict, i: int) -> list[dict] | None:
+    """An assistant message's `tool_calls`, checked: [{id, type, function: {name, arguments}}]."""
+    calls = message.get("tool_calls")
+    if calls is None or calls == []:
+        return None
+    if message["role"] != "assistant" or not isinstance(calls, list):
+        raise bad(f"messages[{i}].tool_calls must be a list, on an assistant message.", "messages")
+    checked = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(f"{where} must be {{id, type, function: {{name, arguments}}}}.", "messages")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str | dict):
+            raise bad(f"{where}.function.arguments must be a JSON object's text.", "messages")
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad(f"{where}.id must be a string.", "messages")
+        checked.append(
+            {
+                "id": call_id or f"call_{i}_{j}",
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return checked
+
+
+def chat_tools(body: Body) -> ToolRequest | None:
+    """'tools', 'tool_choice' and 'parallel_tool_calls', checked (None when no tools are offered)."""
+    data = body.data
+    try:
+        return ToolRequest.make(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
+    except ToolRequestError as e:
+        raise bad(str(e), e.param) from None
+
+
+# Names the chat template's own arguments take; 'chat_template_kwargs' may not set them.
+TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def template_variables(body: Body) -> dict:
+    """'chat_template_kwargs' (e.g. {"enable_thinking": false}) and 'reasoning_effort' (which
+    gpt-oss's template reads), as the chat template's variables."""
+    kwargs = body.data.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise bad("'chat_template_kwargs' must be an object of template variables.", "chat_template_kwargs")
+    for name in kwargs:
+        if name in TEMPLATE_ARGUMENTS or not name.isidentifier():
+            raise bad(
+                f"'chat_template_kwargs' cannot set {_short(name)}: give the template's own arguments "
+                "as request fields, and other variables as identifiers.",
+                "chat_template_kwargs",
+            )
+    effort = body.text("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}.", "reasoning_effort")
+    return {**({"reasoning_effort": effort} if effort else {}), **kwargs}
 
 
 def completion_prompt(body: Body) -> str | list[int]:

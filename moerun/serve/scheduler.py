@@ -29,10 +29,11 @@ if TYPE_CHECKING:
     from moerun.decoder.model import Decoder
 
 Sink = Callable[[tuple[str, object]], None]
+SHUTTING_DOWN = "The server is shutting down."  # the error every unfinished request gets at `stop`
 
 
 class QueueFull(RuntimeError):
-    """More requests waiting than the server takes."""
+    """More requests waiting than the server takes (or the server is shutting down)."""
 
 
 @dataclass(eq=False)
@@ -94,6 +95,8 @@ class Scheduler:
         """Queue `request`; raises QueueFull when `queue_size` requests already wait."""
         job = Job(request, sink)
         with self._wake:
+            if self._stopping:
+                raise QueueFull(SHUTTING_DOWN)
             if len(self._waiting) >= self.queue_size:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this server queues.")
             self._waiting.append(job)
@@ -119,10 +122,15 @@ class Scheduler:
     def running_sequences(self) -> int:
         return sum(job.request.n for job in self._running)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """End every request, running or waiting, with the error SHUTTING_DOWN after the step under
+        way, and take no more; returns at once."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
+
+    def close(self) -> None:
+        self.stop()
         self._thread.join(timeout=30)
 
     # --- the scheduler thread ---
@@ -138,7 +146,7 @@ class Scheduler:
             if self._running:
                 self._step()
         for job in [*self._running, *self._waiting]:
-            job.sink(("error", "The server is shutting down."))
+            job.sink(("error", SHUTTING_DOWN))
 
     def _admit(self) -> None:
         """(Holding the lock.) Drop the cancelled; start waiting jobs while there are free slots."""

@@ -1,9 +1,16 @@
 """Running the application: `serve` (the command's foreground server, the model loading in the
 background while /health says 503) and `start` (a server on a free loopback port in a thread, for
-tests and `moerun bench --serve`)."""
+tests and `moerun bench --serve`).
+
+Shutting down (SIGTERM, Ctrl-C, `close()`): the server stops listening at once and lets the running
+requests finish for `drain_s` seconds; then every request still running or waiting ends with the
+error "The server is shutting down." (a stream: one error chunk, then `data: [DONE]`; a whole
+response: a 503), and the server exits. A second Ctrl-C exits at once (uvicorn's own)."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -26,13 +33,38 @@ def _uvicorn():
 @dataclass(frozen=True)
 class ServeSettings:
     """How `serve` runs: where it listens, the sequences decoded together (`parallel`) and those that
-    may wait for a slot (`queue_size`), and the API key asked of clients (None: none)."""
+    may wait for a slot (`queue_size`), the API key asked of clients (None: none), and the seconds
+    running requests may take to finish once told to shut down (`drain_s`)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     parallel: int = 4
     queue_size: int = 64
     api_key: str | None = None
+    drain_s: float = 10.0
+
+
+def _server(uvicorn, app, state: ServerState, drain_s: float, **config):
+    """A uvicorn server whose shutdown gives the running requests `drain_s` seconds, then ends them
+    through the scheduler (uvicorn's own graceful timeout, a little later, only backs this up: it
+    cancels a request's task, which cuts its connection without a word)."""
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            def end_requests() -> None:
+                if state.scheduler is not None:
+                    state.scheduler.stop()
+
+            timer = asyncio.get_running_loop().call_later(drain_s, end_requests)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    backstop = math.ceil(drain_s) + 5
+    return DrainingServer(
+        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=backstop, **config)
+    )
 
 
 def serve(
@@ -73,8 +105,7 @@ def serve(
         )
 
     app = build_app(state)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
+    server = _server(uvicorn, app, state, settings.drain_s, host=settings.host, port=settings.port)
     threading.Thread(target=load_in_background, name="moerun-load", daemon=True).start()
     try:
         server.run()
@@ -94,6 +125,7 @@ class RunningServer:
         self.url = self.base + "/v1"
 
     def close(self) -> None:
+        """Stop as SIGTERM stops `serve`: running requests get `drain_s` seconds, then an error."""
         self._server.should_exit = True
         self._thread.join(timeout=30)
         if self.state.scheduler is not None:
@@ -107,9 +139,11 @@ def start(
     queue_size: int = 64,
     api_key: str | None = None,
     ctx_size: int | None = None,
+    drain_s: float = 10.0,
 ) -> RunningServer:
     """Serve `model` on a free loopback port in a daemon thread; returns once it accepts connections.
-    `ctx_size`: positions per sequence (None: the model's context; more is refused)."""
+    `ctx_size`: positions per sequence (None: the model's context; more is refused); `drain_s`: the
+    seconds `close()` lets running requests finish before they end with an error."""
     uvicorn = _uvicorn()
     longest = model.config.max_positions
     if ctx_size is not None and not 1 <= ctx_size <= longest:
@@ -119,8 +153,7 @@ def start(
     state = ServerState(model_name, api_key=api_key, context=ctx_size or longest)
     state.scheduler = Scheduler(model, parallel=parallel, queue_size=queue_size)
     state.model = model
-    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
+    server = _server(uvicorn, build_app(state), state, drain_s, host="127.0.0.1", port=0)
     thread = threading.Thread(target=server.run, name="moerun-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

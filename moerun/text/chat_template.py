@@ -48,6 +48,15 @@ def render_chat(
     Tokenize the result without adding special tokens again (`Tokenizer.encode(text,
     add_special_tokens=False)`): templates write BOS themselves. Raises ChatTemplateError, naming
     `source`, when the template does not parse or raises."""
+    return render_prepared(
+        template, prepare_messages(messages), add_generation_prompt, tools, documents, source, extra
+    )
+
+
+def prepare_messages(messages: list[dict]) -> list[dict]:
+    """`messages` as a template sees them (transformers' `_normalize_chat_messages` and
+    `_alias_reasoning_fields`): plain JSON types, None fields left out (templates test for missing
+    keys), an earlier turn's reasoning under each name templates read."""
     if not messages:
         raise ChatTemplateError("there are no messages to put through the chat template.")
     chat = []
@@ -56,12 +65,25 @@ def render_chat(
             raise ChatTemplateError(
                 f"a chat message must be a dict with 'role' and 'content', not {message!r}."
             )
-        # A None field (OpenAI-style `content=None`) is left out: templates test for missing keys.
         message = {key: value for key, value in message.items() if value is not None}
         reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         chat.append(message)
+    return chat
+
+
+def render_prepared(
+    template: str,
+    chat: list[dict],
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    documents: list[dict] | None,
+    source: str,
+    extra: dict,
+) -> str:
+    """`render_chat` on messages already through `prepare_messages` (a None left in one reaches
+    the template as none)."""
     variables = _plain({key: value for key, value in extra.items() if value is not None})
     try:
         compiled = _compile(template)
@@ -76,6 +98,9 @@ def render_chat(
         raise ChatTemplateError(f"{source} is not valid Jinja (line {e.lineno}): {e.message}") from e
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"{source} refused this conversation: {e}") from e
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as e:
+        # a template's own operation on what it was given (str + dict, a missing index, ...)
+        raise ChatTemplateError(f"{source} failed on this conversation: {type(e).__name__}: {e}") from e
 
 
 def no_template_error(source: str) -> ChatTemplateError:

@@ -14,7 +14,8 @@ from tokenizers import Tokenizer as Backend
 
 from moerun.errors import TokenizerError, quote, shorten
 from moerun.loader.json_file import read_json
-from moerun.text.chat_template import no_template_error, render_chat
+from moerun.text.chat_template import no_template_error
+from moerun.text.chat_tools import render_conversation
 from moerun.text.gguf_vocab import read_gguf_vocab
 
 # The special tokens a tokenizer_config.json names (transformers' SPECIAL_TOKENS_ATTRIBUTES).
@@ -165,7 +166,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of `text`; with `add_special_tokens`, BOS/EOS as the model's config asks."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the same ids, and it lets other threads run while it works (a
+        # server's event loop while a long prompt is tokenised in a thread); encode holds the GIL
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; special tokens (BOS, EOS, chat markers) left out unless asked for."""
@@ -181,23 +184,37 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(int(token_id))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **extra,
+    ) -> str:
         """The model's chat prompt for `messages` (see `moerun.text.chat_template.render_chat`), with
-        this tokenizer's special tokens; ChatTemplateError if the model has no template."""
+        this tokenizer's special tokens, and `tools` and the calls in `messages` in the forms the
+        template takes (`moerun.text.chat_tools`); ChatTemplateError if the model has no template."""
         if self.chat_template is None:
             raise no_template_error(self.source)
-        return render_chat(
+        return render_conversation(
             self.chat_template,
             messages,
             add_generation_prompt,
+            tools,
             source=f"the chat template of {self.source}",
             **{**self.special_tokens, **extra},
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **extra,
+    ) -> list[int]:
         """The ids of the chat prompt, as transformers' `apply_chat_template(tokenize=True)` gives them."""
         return self.encode(
-            self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=False
+            self.render_chat(messages, add_generation_prompt, tools, **extra), add_special_tokens=False
         )
 
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:

@@ -247,3 +247,113 @@ def test_n_choices_under_a_schema_each_validate(client, jsonschema):
     for choice in reply.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+# --- tool_choice that asks for a call ---
+
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+DICE = {
+    "type": "function",
+    "function": {
+        "name": "roll",
+        "parameters": {
+            "type": "object",
+            "properties": {"sides": {"type": "integer", "minimum": 2, "maximum": 20}},
+            "required": ["sides"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = {"get_weather": CITY, "roll": DICE}
+
+
+@pytest.fixture(scope="module", params=["QWEN3", "QWEN3_THINKING"])
+def qwen3_server(tmp_path_factory, request):
+    """A random Qwen3-style model (its template, or the thinking one whose prompt opens `<think>`;
+    `</think>` and `<tool_call>` in its vocabulary)."""
+    import family_templates
+    from tokenizers import AddedToken
+
+    path = tmp_path_factory.mktemp("qwen3-random")
+    tok = byte_level_tokenizer("qwen2")
+    tok.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t in ("</think>", "<tool_call>", "</tool_call>")]
+    )
+    save_hf_dir(
+        tok,
+        path,
+        tokenizer_class="PreTrainedTokenizerFast",
+        eos_token="<|im_end|>",
+        chat_template=getattr(family_templates, request.param),
+    )
+    save_model(make_model("qwen3_moe", vocab_size=tok.get_vocab_size(), max_position_embeddings=1024), path)
+    running = start(moerun.load(path, dtype=torch.float32), model_name="qwen3", parallel=4, ctx_size=1024)
+    yield running
+    running.close()
+
+
+def _check_calls(choice, jsonschema, names):
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls, choice.message
+    for call in choice.message.tool_calls:
+        assert call.function.name in names
+        parameters = TOOLS[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
+@pytest.mark.parametrize("enable_thinking", [True, False])
+def test_tool_choice_required_makes_a_random_model_call_a_tool(qwen3_server, jsonschema, enable_thinking):
+    """Under tool_choice "required" the reply is a call of an offered tool whose arguments validate,
+    whole and streamed, at 4 requests at once: with thinking off (the prompt opens and closes the
+    reasoning), on, and under a template whose prompt opens it (the reply closes it first)."""
+    client = openai.OpenAI(base_url=qwen3_server.url, api_key="none", max_retries=0, timeout=120)
+    extra = {"chat_template_kwargs": {"enable_thinking": enable_thinking}}
+
+    def ask(seed):
+        return client.chat.completions.create(
+            model="qwen3",
+            messages=MESSAGES,
+            tools=[CITY, DICE],
+            tool_choice="required",
+            max_tokens=BUDGET,
+            temperature=1.0,
+            seed=seed,
+            extra_body=extra,
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for reply in pool.map(ask, range(4)):
+            _check_calls(reply.choices[0], jsonschema, TOOLS)
+    stream = client.chat.completions.create(
+        model="qwen3",
+        messages=MESSAGES,
+        tools=[CITY, DICE],
+        tool_choice={"type": "function", "function": {"name": "roll"}},
+        max_tokens=BUDGET,
+        temperature=1.0,
+        seed=7,
+        stream=True,
+        extra_body=extra,
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    calls = [d for c in chunks for d in (c.delta.tool_calls or [])]
+    assert calls[0].function.name == "roll" and chunks[-1].finish_reason == "tool_calls"
+    arguments = "".join(d.function.arguments or "" for d in calls)
+    jsonschema.validate(json.loads(arguments), DICE["function"]["parameters"])
+
+
+def test_tool_choice_and_a_response_format_together_are_a_400(qwen3_server, jsonschema):
+    body = {"messages": MESSAGES, "tools": [CITY], "tool_choice": "required", "response_format": FORMAT}
+    r = httpx.post(qwen3_server.url + "/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"

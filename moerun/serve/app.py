@@ -30,7 +30,13 @@ from moerun.serve import protocol
 from moerun.serve.choices import ChatChoice, text_choice, text_chunk
 from moerun.serve.protocol import APIError, Body, bad
 from moerun.serve.scheduler import SHUTTING_DOWN, Job, QueueFull, Scheduler
+from moerun.text import grammar
+from moerun.text.chat_tools import tool_call_tags
+from moerun.text.grammar import Grammar
+from moerun.text.reasoning import END as THINK_END
+from moerun.text.reasoning import prompt_opens_thinking
 from moerun.text.reply import ReplyFormat, ReplyParser
+from moerun.text.tool_calls import ToolRequest
 
 MAX_BODY = 4 << 20  # bytes of a request body
 POLL_S = 0.25  # how often a whole-response request checks that its client is still there
@@ -220,9 +226,16 @@ class Routes:
         def make():  # rendering and tokenising: in a thread, so other requests go on meanwhile
             most = context * self.chars_per_token(model) or None
             if chat:
-                prompt, parser = _chat_prompt(model, body, self.reply_format(model), most)
+                prompt, parser, forced = _chat_prompt(model, body, self.reply_format(model), most)
             else:
-                prompt, parser = _prompt(model, body, most), None
+                prompt, parser, forced = _prompt(model, body, most), None, None
+            if forced is not None:  # tool_choice asks for a call: the grammar of one
+                if kwargs.get("response_format", {"type": "text"}) != {"type": "text"}:
+                    message = "'response_format' and a tool_choice that asks for a call both shape the reply."
+                    raise bad(message + " Give one.", "response_format")
+                return protocol.make_request(
+                    model, prompt, {**kwargs, "response_format": forced}, context
+                ), parser
             return protocol.make_request(model, prompt, kwargs, context), parser
 
         job_request, parser = await asyncio.to_thread(make)
@@ -379,10 +392,10 @@ def _prompt(model, body: Body, most: int | None) -> str | list[int]:
 
 def _chat_prompt(
     model, body: Body, fmt: ReplyFormat, most: int | None
-) -> tuple[list[int], Callable[[], ReplyParser]]:
+) -> tuple[list[int], Callable[[], ReplyParser], Grammar | None]:
     """A chat's messages (and tools) in the model's template -> (its ids, what makes a parser for a
-    reply, which `fmt` says how to read: one per choice); a rendering of more than `most` characters
-    is refused before it is tokenised."""
+    reply, which `fmt` says how to read: one per choice, the grammar of a call where tool_choice asks
+    for one); a rendering of more than `most` characters is refused before it is tokenised."""
     messages = protocol.chat_messages(body)
     tools = protocol.chat_tools(body)
     variables = protocol.template_variables(body)
@@ -397,7 +410,24 @@ def _chat_prompt(
     except ValueError as e:  # no template, or one that refuses these messages
         raise bad(str(e)[:300], "messages") from None
     _check_length(text, most, "messages")
-    return model.tokenizer.encode(text, add_special_tokens=False), lambda: fmt.parser(text, tools)
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
+    return ids, lambda: fmt.parser(text, tools), _forced_call(model, fmt, tools, text)
+
+
+def _forced_call(model, fmt: ReplyFormat, tools: ToolRequest | None, prompt: str) -> Grammar | None:
+    """Under tool_choice "required" or a named function: the grammar of a reply that is one call of
+    those functions as the chat template writes a call (after closing the reasoning the prompt opens,
+    so the reply is read as a call). None where the choice is the model's, where the template writes
+    arguments other than as one JSON object, or without the grammar engine: the choice is then only
+    asked of the model."""
+    if tools is None or not tools.parsed or tools.choice in ("auto", "none") or not grammar.available():
+        return None
+    tokenizer = model.tokenizer
+    calls = tool_call_tags(tokenizer.chat_template, tokenizer.special_tokens, tools)
+    if not calls:
+        return None
+    opening = f"{THINK_END}\n\n" if fmt.thinking and prompt_opens_thinking(prompt) else ""
+    return grammar.tool_call_grammar(calls, tokenizer, opening)
 
 
 def _check_length(text: str, most: int | None, field: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -120,6 +121,50 @@ def lark_json(schema: dict) -> str:
     own = schema.get("x-guidance")  # llguidance's options inside a schema
     options = {**JSON_OPTIONS, **(own if isinstance(own, dict) else {}), **JSON_OVERRIDES}
     return "%json " + _bounded_json({**schema, "x-guidance": options}, "the JSON schema")
+
+
+def tool_call_grammar(calls, tokenizer: Tokenizer, opening: str = "") -> Grammar:
+    """A reply that is one call of one of `calls` (each: the text a chat template writes before a
+    function's arguments, their JSON schema, the text after; `moerun.text.chat_tools.tool_call_tags`),
+    after `opening` (e.g. "</think>" where the prompt left the reasoning open). The tokenizer's added
+    tokens inside that text (`<tool_call>`, `[TOOL_CALLS]`, ...) are matched as those tokens, as the
+    tokenizer splits them out: the engine reads every added token, special or not, as a token of its
+    own that no spelling matches."""
+    added = {t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items()}
+    rules, names = [], []
+    for i, (before, schema, after) in enumerate(calls):
+        names.append(f"call{i}")
+        parts = [_lark_text(before, added), f"args{i}", _lark_text(after, added)]
+        rules += [f"call{i}: " + " ".join(p for p in parts if p), f"args{i}: {lark_json(schema)}"]
+    if not names:
+        raise GrammarError("tool_choice names no function the request offers.")
+    head = _lark_text(opening, added)
+    start = "start: " + (head + " " if head else "") + "(" + " | ".join(names) + ")"
+    return Grammar.text("\n".join([start, *rules]), "the tool call")
+
+
+def _lark_text(text: str, tokens: dict[str, int]) -> str:
+    """`text` as Lark items: its pieces as string literals, the `tokens` (text -> id) in it as <[id]>."""
+    if not text:
+        return ""
+    names = sorted(tokens, key=len, reverse=True)
+    if names:
+        pattern = "(" + "|".join(re.escape(s) for s in names) + ")"
+        pieces = re.split(pattern, text)
+    else:
+        pieces = [text]
+    return " ".join(
+        f"<[{tokens[p]}]>" if p in tokens else json.dumps(p, ensure_ascii=False) for p in pieces if p
+    )
+
+
+def available() -> bool:
+    """Whether the grammar engine is installed."""
+    try:
+        engine()
+    except GrammarError:
+        return False
+    return True
 
 
 def response_format_grammar(fmt) -> Grammar | None:

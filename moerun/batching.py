@@ -116,7 +116,6 @@ class Request:
             raise TypeError("stop is a list of strings.")
         if not _integer(n) or n < 1:
             raise ValueError(f"n must be an integer >= 1 (choices), got {n!r}.")
-        grammar = _compiled_grammar(model, response_format)
         ids = prompt_ids(prompt, model.tokenizer)
         if not ids:
             raise ValueError("A prompt needs at least one token.")
@@ -128,6 +127,7 @@ class Request:
         if len(ids) > context:
             raise ValueError(f"The prompt's {len(ids)} tokens do not fit a context of {context} positions.")
         budget = None if max_new_tokens in (None, -1) else max_new_tokens
+        grammar = _compiled_grammar(model, response_format)
         return cls(tuple(ids), budget, params, tuple(stop), logprobs, context, n, grammar)
 
 

@@ -4,7 +4,8 @@
  * acc += (yd * d) * S in fp32. IQ1's signed values as magnitudes and a mask (exact mode), or in
  * integer mode as u8 parts (vpmaddubsw, the scales through vpdpwssd) with the rest through the
  * bsums. The ternary formats' integer mode: their codes 0-2 (0-3) straight into vpdpbusd, the 256
- * activations' sum taken off. */
+ * activations' sum taken off; for one or two tokens four rows at a time, their sums reduced together
+ * and their fp32 steps in the lanes of one register. */
 #include "avx512_pairs.h"
 
 #ifdef MOERUN_AVX512
@@ -82,38 +83,46 @@ static inline void pairs_iq1_m(const uint8_t *b, pairs_t *s) {
     s->d = f16_to_f32(d_bits) * 0.125f;
 }
 
-/* TQ1_0's digit k of each byte v from p = v * 3^k mod 256: ((p * 3) >> 8), per 16-bit lane the low
- * byte's as mulhi(lo, 768) and the high byte's as mulhi(hi * 256, 3). */
-static inline __m512i tq1_digits_x64(__m512i p) {
-    const __m512i lo = _mm512_mulhi_epu16(_mm512_and_si512(p, _mm512_set1_epi16(0x00FF)), _mm512_set1_epi16(768));
-    const __m512i hi = _mm512_mulhi_epu16(_mm512_and_si512(p, _mm512_set1_epi16((short)0xFF00)), _mm512_set1_epi16(3));
-    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 8));
+/* TQ1_0's digits (iq_unpack.h): digit k of byte v is (3p) >> 8 for p = v * 3^k mod 256, in {0, 1, 2}.
+ * Bytes 0-31 give elements 32k + j, bytes 32-47 give 160 + 16k + j, bytes 48-51 give 240 + 4k + j,
+ * so the four chunks of 64 elements are the digits of p = [v, 3v], [9v, 27v], [81v, m, 3m] and
+ * [9m, 27m, 81m, t, 3t, 9t, 27t] (v, m, t: bytes 0-31, 32-47, 48-51; t's four products 4 bytes each). */
+
+/* (3p) >> 8 = (p > 85) + (p > 170), two compares. */
+static inline __m512i tq1_digits_of(__m512i p) {
+    const __mmask64 one = _mm512_cmpgt_epu8_mask(p, _mm512_set1_epi8(85));
+    const __mmask64 two = _mm512_cmpgt_epu8_mask(p, _mm512_set1_epi8((char)170));
+    return _mm512_mask_mov_epi8(_mm512_maskz_mov_epi8(one, _mm512_set1_epi8(1)), two, _mm512_set1_epi8(2));
 }
 
-static inline __m512i times3_x64(__m512i p) { return _mm512_add_epi8(p, _mm512_add_epi8(p, p)); }
-static inline __m256i times3_x32(__m256i p) { return _mm256_add_epi8(p, _mm256_add_epi8(p, p)); }
-static inline __m128i times3_x16(__m128i p) { return _mm_add_epi8(p, _mm_add_epi8(p, p)); }
+/* The digits of the bytes of a times c (int16 lane i: both bytes times c[i]), in 16-bit arithmetic:
+ * with p = lo * c mod 256, p << 8 = a * (c << 8) mod 2^16 and mulhi(p << 8, 3) = (3p) >> 8; with
+ * q = hi * c mod 256, q << 8 = (a & 0xFF00) * c mod 2^16 and mulhi(q << 8, 768) = 3q, whose high
+ * byte is (3q) >> 8. */
+static inline __m512i tq1_digits_times(__m512i a, __m512i c) {
+    const __m512i high = _mm512_set1_epi16((short)0xFF00);
+    const __m512i lo = _mm512_mulhi_epu16(_mm512_mullo_epi16(a, _mm512_slli_epi16(c, 8)), _mm512_set1_epi16(3));
+    const __m512i hi = _mm512_mulhi_epu16(_mm512_mullo_epi16(_mm512_and_si512(a, high), c), _mm512_set1_epi16(768));
+    return _mm512_ternarylogic_epi32(lo, hi, high, 0xF8); /* lo | (hi & high) */
+}
 
-/* TQ1_0 (iq_unpack.h's layout): pairs (0, 1) and (2, 3) are digits (0, 1), (2, 3) of bytes 0-31;
- * pair (4, 5) is digit 4 of bytes 0-31, then digits 0, 1 of bytes 32-47; pair (6, 7) digits 2, 3, 4
- * of bytes 32-47, then digits 0-3 of bytes 48-51. Value digit - 1. */
 static inline void codes_tq1_0(const uint8_t *b, __m512i digits[4]) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)b);
-    __m512i p = _mm512_inserti64x4(_mm512_castsi256_si512(v), times3_x32(v), 1);
-    digits[0] = tq1_digits_x64(p);
-    p = times3_x64(times3_x64(p));
-    digits[1] = tq1_digits_x64(p);
-    const __m128i m1 = _mm_loadu_si128((const __m128i *)(b + 32)), m3 = times3_x16(m1), m9 = times3_x16(m3);
-    const __m128i m27 = times3_x16(m9), m81 = times3_x16(m27);
-    /* bytes 48-51 times 3^k in dword k, k = 0..3 */
-    const __m128i t1 = _mm_set1_epi32((int)rd32(b + 48)), t3 = times3_x16(t1), t9 = times3_x16(t3);
-    const __m128i tail = _mm_blend_epi32(_mm_blend_epi32(t1, t3, 0x2), _mm_blend_epi32(t9, times3_x16(t9), 0x8), 0xC);
-    p = times3_x64(times3_x64(p)); /* low half: bytes 0-31 times 81 */
-    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m1, 2), m3, 3);
-    digits[2] = tq1_digits_x64(p);
-    p = _mm512_inserti32x4(_mm512_castsi128_si512(m9), m27, 1);
-    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m81, 2), tail, 3);
-    digits[3] = tq1_digits_x64(p);
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b));
+    const __m512i p = _mm512_mask_add_epi8(v, 0xFFFFFFFF00000000ull, v, _mm512_add_epi8(v, v)); /* [v, 3v] */
+    digits[0] = tq1_digits_of(p);
+    /* times 9: p + 8p, 8p in 8-bit lanes as the 16-bit shift with the bits from the byte below cleared */
+    const __m512i p8 = _mm512_and_si512(_mm512_slli_epi16(p, 3), _mm512_set1_epi8((char)0xF8));
+    digits[1] = tq1_digits_of(_mm512_add_epi8(p, p8));
+    const __m128i m = _mm_loadu_si128((const __m128i *)(b + 32));
+    const __m512i vmm = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b)),
+                                           _mm256_broadcastsi128_si256(m), 1);
+    const __m512i c2 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 81, 81, 81, 81, 81, 81, 81,
+                                        81, 81, 81, 81, 81, 81, 81, 81, 81);
+    digits[2] = tq1_digits_times(vmm, c2);
+    const __m512i mmmt = _mm512_mask_set1_epi32(_mm512_broadcast_i32x4(m), 0xF000, (int)rd32(b + 48));
+    const __m512i c3 = _mm512_set_epi16(27, 27, 9, 9, 3, 3, 1, 1, 81, 81, 81, 81, 81, 81, 81, 81, 27, 27, 27, 27, 27,
+                                        27, 27, 27, 9, 9, 9, 9, 9, 9, 9, 9);
+    digits[3] = tq1_digits_times(mmmt, c3);
 }
 
 static inline void pairs_tq1_0(const uint8_t *b, pairs_t *s) {
@@ -149,6 +158,60 @@ static inline __attribute__((always_inline)) void ternary_body(ROWS_ARGS, int by
         }
         for (int t = 0; t < T; t++) ys[t][r] = acc[t];
     }
+}
+
+/* The sums of the 16 int32 lanes of a, b, c and d, in dwords 0-3: pairs of lanes summed within each
+ * 128-bit lane (unpack), then the four 128-bit lanes. */
+static inline __m128i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    const __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
+/* T = 1 or 2, rows r .. r + 3 together: the 4 rows' sums reduced at once, and each row's fp32 steps
+ * in its own lane, the same operations in the same order as ternary_body's. */
+static inline __attribute__((always_inline)) void ternary_rows4(const uint8_t *w, size_t rb, int64_t r, int64_t n,
+                                                               const void *const *xs, int T, float *const *ys,
+                                                               int bytes, int d_at, codes_fn decode) {
+    __m128 acc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+    for (int64_t b = 0; b < n / 256; b++) {
+        const uint8_t *blk = w + r * rb + b * bytes;
+        const q8k_t *y[2];
+        __m512i x[2][4], start[2], sum[2][4];
+        for (int t = 0; t < T; t++) {
+            y[t] = (const q8k_t *)xs[t] + b;
+            for (int c = 0; c < 4; c++) x[t][c] = _mm512_loadu_si512((const void *)(y[t]->qs + 64 * c));
+            start[t] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                        _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)y[t]->bsums)));
+        }
+        for (int i = 0; i < 4; i++) {
+            __m512i code[4];
+            decode(blk + i * rb, code);
+            for (int t = 0; t < T; t++) {
+                sum[t][i] = start[t];
+                for (int c = 0; c < 4; c++) sum[t][i] = _mm512_dpbusd_epi32(sum[t][i], code[c], x[t][c]);
+            }
+        }
+        const uint64_t d16 = rd16(blk + d_at) | (uint64_t)rd16(blk + rb + d_at) << 16 |
+                             (uint64_t)rd16(blk + 2 * rb + d_at) << 32 | (uint64_t)rd16(blk + 3 * rb + d_at) << 48;
+        const __m128 d = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)d16));
+        for (int t = 0; t < T; t++) {
+            const __m128 S = _mm_cvtepi32_ps(sum4_epi32(sum[t][0], sum[t][1], sum[t][2], sum[t][3]));
+            acc[t] = _mm_add_ps(acc[t], _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(y[t]->d), d), S));
+        }
+    }
+    for (int t = 0; t < T; t++) _mm_storeu_ps(ys[t] + r, acc[t]);
+}
+
+static inline __attribute__((always_inline)) void ternary_rows(ROWS_ARGS, int bytes, int d_at, codes_fn decode) {
+    int64_t r = r0;
+    if (T == 1)
+        for (; r + 4 <= r1; r += 4) ternary_rows4(w, rb, r, n, xs, 1, ys, bytes, d_at, decode);
+    else if (T == 2)
+        for (; r + 4 <= r1; r += 4) ternary_rows4(w, rb, r, n, xs, 2, ys, bytes, d_at, decode);
+    ternary_body(w, rb, r, r1, n, xs, T, ys, bytes, d_at, decode);
 }
 
 /* IQ1_S, integer mode: q = 8 g + delta_k (g in {-1, 0, 1} from the grid, delta_k = +-1 per run k of
@@ -246,8 +309,7 @@ static inline __attribute__((always_inline)) void iq1_body(ROWS_ARGS, int bytes,
 
 #define TERNARY_FORMAT(name, bytes, d_at)                                                              \
     static void name##_int(ROWS_ARGS) {                                                                \
-        if (T == 1) ternary_body(w, rb, r0, r1, n, xs, 1, ys, bytes, d_at, codes_##name);               \
-        else ternary_body(w, rb, r0, r1, n, xs, T, ys, bytes, d_at, codes_##name);                      \
+        ternary_rows(w, rb, r0, r1, n, xs, T, ys, bytes, d_at, codes_##name);                            \
     }                                                                                                  \
     PAIRS_EXACT(name, bytes)
 #define IQ1_FORMAT(name, bytes)                                                                        \

@@ -85,20 +85,13 @@ static inline void pairs_iq1_m(const uint8_t *b, pairs_t *s) {
 
 /* TQ1_0's digits (iq_unpack.h): digit k of byte v is (3p) >> 8 for p = v * 3^k mod 256, in {0, 1, 2}.
  * Bytes 0-31 give elements 32k + j, bytes 32-47 give 160 + 16k + j, bytes 48-51 give 240 + 4k + j,
- * so the four chunks of 64 elements are the digits of p = [v, 3v], [9v, 27v], [81v, m, 3m] and
- * [9m, 27m, 81m, t, 3t, 9t, 27t] (v, m, t: bytes 0-31, 32-47, 48-51; t's four products 4 bytes each). */
-
-/* (3p) >> 8 = (p > 85) + (p > 170), two compares. */
-static inline __m512i tq1_digits_of(__m512i p) {
-    const __mmask64 one = _mm512_cmpgt_epu8_mask(p, _mm512_set1_epi8(85));
-    const __mmask64 two = _mm512_cmpgt_epu8_mask(p, _mm512_set1_epi8((char)170));
-    return _mm512_mask_mov_epi8(_mm512_maskz_mov_epi8(one, _mm512_set1_epi8(1)), two, _mm512_set1_epi8(2));
-}
-
-/* The digits of the bytes of a times c (int16 lane i: both bytes times c[i]), in 16-bit arithmetic:
- * with p = lo * c mod 256, p << 8 = a * (c << 8) mod 2^16 and mulhi(p << 8, 3) = (3p) >> 8; with
- * q = hi * c mod 256, q << 8 = (a & 0xFF00) * c mod 2^16 and mulhi(q << 8, 768) = 3q, whose high
- * byte is (3q) >> 8. */
+ * so the four chunks of 64 elements are the digits of [v, 3v], [9v, 27v], [81v, m, 3m] and
+ * [9m, 27m, 81m, t, 3t, 9t, 27t] (v, m, t: bytes 0-31, 32-47, 48-51; t's four products 4 bytes each).
+ *
+ * The digits of the bytes of a times c (int16 lane i: both its bytes times c[i]), in 16-bit
+ * arithmetic: with p = lo * c mod 256, p << 8 = a * (c << 8) mod 2^16 and mulhi(p << 8, 3) = (3p) >> 8;
+ * with q = hi * c mod 256, q << 8 = (a & 0xFF00) * c mod 2^16 and mulhi(q << 8, 768) = 3q, whose
+ * high byte is (3q) >> 8. */
 static inline __m512i tq1_digits_times(__m512i a, __m512i c) {
     const __m512i high = _mm512_set1_epi16((short)0xFF00);
     const __m512i lo = _mm512_mulhi_epu16(_mm512_mullo_epi16(a, _mm512_slli_epi16(c, 8)), _mm512_set1_epi16(3));
@@ -106,23 +99,22 @@ static inline __m512i tq1_digits_times(__m512i a, __m512i c) {
     return _mm512_ternarylogic_epi32(lo, hi, high, 0xF8); /* lo | (hi & high) */
 }
 
+/* int16 lanes 0-15 = lo, 16-31 = hi. */
+static inline __m512i halves16(short lo, short hi) {
+    return _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1);
+}
+
 static inline void codes_tq1_0(const uint8_t *b, __m512i digits[4]) {
-    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b));
-    const __m512i p = _mm512_mask_add_epi8(v, 0xFFFFFFFF00000000ull, v, _mm512_add_epi8(v, v)); /* [v, 3v] */
-    digits[0] = tq1_digits_of(p);
-    /* times 9: p + 8p, 8p in 8-bit lanes as the 16-bit shift with the bits from the byte below cleared */
-    const __m512i p8 = _mm512_and_si512(_mm512_slli_epi16(p, 3), _mm512_set1_epi8((char)0xF8));
-    digits[1] = tq1_digits_of(_mm512_add_epi8(p, p8));
+    const __m512i vv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b));
     const __m128i m = _mm_loadu_si128((const __m128i *)(b + 32));
-    const __m512i vmm = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b)),
-                                           _mm256_broadcastsi128_si256(m), 1);
-    const __m512i c2 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 81, 81, 81, 81, 81, 81, 81,
-                                        81, 81, 81, 81, 81, 81, 81, 81, 81);
-    digits[2] = tq1_digits_times(vmm, c2);
+    const __m512i vmm = _mm512_inserti64x4(vv, _mm256_broadcastsi128_si256(m), 1);
     const __m512i mmmt = _mm512_mask_set1_epi32(_mm512_broadcast_i32x4(m), 0xF000, (int)rd32(b + 48));
-    const __m512i c3 = _mm512_set_epi16(27, 27, 9, 9, 3, 3, 1, 1, 81, 81, 81, 81, 81, 81, 81, 81, 27, 27, 27, 27, 27,
-                                        27, 27, 27, 9, 9, 9, 9, 9, 9, 9, 9);
-    digits[3] = tq1_digits_times(mmmt, c3);
+    digits[0] = tq1_digits_times(vv, halves16(1, 3));
+    digits[1] = tq1_digits_times(vv, halves16(9, 27));
+    digits[2] = tq1_digits_times(vmm, _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 81, 81, 81, 81, 81,
+                                                       81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81));
+    digits[3] = tq1_digits_times(mmmt, _mm512_set_epi16(27, 27, 9, 9, 3, 3, 1, 1, 81, 81, 81, 81, 81, 81, 81, 81, 27,
+                                                        27, 27, 27, 27, 27, 27, 27, 9, 9, 9, 9, 9, 9, 9, 9));
 }
 
 static inline void pairs_tq1_0(const uint8_t *b, pairs_t *s) {

@@ -23,7 +23,10 @@ cores q4_k GEMM ~220, q6_k ~170, q8_0 ~130, mxfp4 ~110 GFLOP/s, the row kernels 
 torch bf16 ~350; on this shared machine the 2-thread figures come out at about half, the median
 lower still.
 
-Usage: python bench/cpu_kernels.py [--variant avx512] [--quick] [--prefill]
+`--formats tq1_0,iq1_s` runs only the matmul T=1 table, for those formats, on Qwen3-30B-A3B's
+expert shapes ([1536, 2048] gate_up, [2048, 768] down).
+
+Usage: python bench/cpu_kernels.py [--variant avx512] [--quick] [--prefill] [--formats a,b]
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ SCALE_FIELDS = {
     "q4_k": [(0, 0x2000), (2, 0x2000)],
     "q5_k": [(0, 0x2000), (2, 0x2000)],
     "q6_k": [(208, 0x2000)],
+    "tq1_0": [(52, 0x2000)],
+    "tq2_0": [(64, 0x2000)],
 }
 
 
@@ -152,6 +157,7 @@ def main() -> None:
     parser.add_argument("--variant", default=None)
     parser.add_argument("--quick", action="store_true", help="only the hot formats")
     parser.add_argument("--prefill", action="store_true", help="only the prefill GEMM")
+    parser.add_argument("--formats", default=None, help="only the matmul T=1 table, for these formats (a,b)")
     args = parser.parse_args()
     if not cpu.available():
         raise SystemExit(f"native CPU kernels unavailable: {cpu.unavailable_reason()}")
@@ -163,7 +169,9 @@ def main() -> None:
         prefill(variant, hot)
         return
     formats = (
-        ["q4_k", "q6_k", "q8_0", "mxfp4", "bf16"]
+        args.formats.split(",")
+        if args.formats
+        else ["q4_k", "q6_k", "q8_0", "mxfp4", "bf16"]
         if args.quick
         else [
             "q4_k",
@@ -183,7 +191,7 @@ def main() -> None:
     cols = f"{'2thr med':>9}{'2thr best':>10}{'% copy':>7}{'1thr med':>9}{'1thr best':>10}{'us/call':>8}"
     print("GB/s of weights read; % copy: the 2-thread best over the copy bandwidth")
     print(f"{'matmul T=1':<28}{'mode':<9}{cols}")
-    for rows, n in ((2048, 2048), (768, 2048)):
+    for rows, n in ((1536, 2048), (2048, 768)) if args.formats else ((2048, 2048), (768, 2048)):
         for fmt_name in formats:
             w = random_weight(fmt_name, rows, n)
             copies = cold_copies(w)
@@ -195,6 +203,8 @@ def main() -> None:
                 print(
                     f"{fmt_name + f' [{rows}, {n}]':<28}{mode:<9}{row(w.numel() * w.element_size(), per, bw)}"
                 )
+    if args.formats:
+        return
 
     H, I, E, k = 2048, 768, 64, 8
     head = f"{'moe_decode H=2048 I=768 8/64':<34}{'T':>3}{'mode':>9}"

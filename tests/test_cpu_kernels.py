@@ -233,7 +233,7 @@ SAME_BITS_IN_EVERY_VARIANT += ["iq2_xs", "iq2_s", "iq1_s", "iq1_m", "tq1_0", "tq
 
 
 @pytest.mark.parametrize("fmt_name", SAME_BITS_IN_EVERY_VARIANT)
-@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("T", [1, 2, 3, 16])  # 1 and 2: row kernels with their own paths (tq1_0, tq2_0)
 @pytest.mark.parametrize("integer", [False, True])
 def test_the_same_bits_in_every_variant(fmt_name, T, integer):
     n = 224 if get_format(fmt_name).block_size == 32 else IN  # 224: 7 blocks, a group of 4 and 3 left

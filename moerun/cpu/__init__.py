@@ -25,9 +25,9 @@ kernels' own integer sums and fp32 steps, so prefill equals decode (T = 1) bit f
 takes it per expert, for the experts with that many tokens.
 
 The formats added second (q4_1, q5_0, q5_1, iq4_nl, iq4_xs, the grid i-quants, tq1_0, tq2_0) give the
-same bits on every variant: their SIMD kernels (avx2_iq4.c, avx512_iq4.c, avx2_iq.c, avx512_iq.c)
-compute generic.c's exact int32 sums (integer mode) or decoded values in its 16 lanes (exact mode)
-and its fp32 steps in its order.
+same bits on every variant: their SIMD kernels (avx2_iq4.c, avx512_iq4.c, avx2_iq.c, avx512_iq.c,
+avx512_ternary.c) compute generic.c's exact int32 sums (integer mode) or decoded values in its 16
+lanes (exact mode) and its fp32 steps in its order.
 
 Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
 exact mode for q2_k/q3_k/q5_k on every variant and for q8_0, q4_0, mxfp4, q4_k, q6_k on avx2;

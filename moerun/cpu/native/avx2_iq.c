@@ -182,52 +182,97 @@ static inline void decode_iq1_m(const uint8_t *b, runs_t *s) {
     s->d = f16_to_f32(d_bits) * 0.125f;
 }
 
-/* TQ2_0: run 4h + k is the 2-bit fields at shift 2k of bytes 32h .. 32h + 31; value c - 1. */
-static inline void decode_tq2_0(const uint8_t *b, runs_t *s) {
+/* The ternary formats' codes, 8 runs of 32 (run k: elements 32k .. 32k + 31), value code - 1. */
+typedef void (*codes_fn)(const uint8_t *, __m256i *);
+
+/* TQ2_0: run 4h + k is the 2-bit fields at shift 2k of bytes 32h .. 32h + 31, codes 0-3. */
+static inline void codes_tq2_0(const uint8_t *b, __m256i code[8]) {
     for (int h = 0; h < 2; h++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 32 * h));
-        for (int k = 0; k < 4; k++) {
-            const __m256i c = _mm256_and_si256(_mm256_srli_epi16(v, 2 * k), _mm256_set1_epi8(3));
-            from_signed(_mm256_sub_epi8(c, _mm256_set1_epi8(1)), &s->mag[4 * h + k], &s->neg[4 * h + k]);
-            s->sc[4 * h + k] = _mm256_set1_epi16(1);
-        }
+        for (int k = 0; k < 4; k++) code[4 * h + k] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * k), _mm256_set1_epi8(3));
     }
-    s->d = f16_at(b + 64);
 }
 
-/* TQ1_0's base-3 digit k of each byte v, ((v * 3^k mod 256) * 3) >> 8, from p = v * 3^k mod 256:
- * per 16-bit lane, the low byte's as mulhi(lo, 768) and the high byte's as mulhi(hi * 256, 3). */
+/* TQ1_0's base-3 digit k of each byte v (iq_unpack.h) is (3p) >> 8 for p = v * 3^k mod 256, that is
+ * (p > 85) + (p > 170): signed compares of p - 128, their -1s subtracted. */
 static inline __m256i tq1_digit(__m256i p) {
-    const __m256i lo = _mm256_mulhi_epu16(_mm256_and_si256(p, _mm256_set1_epi16(0x00FF)), _mm256_set1_epi16(768));
-    const __m256i hi = _mm256_mulhi_epu16(_mm256_and_si256(p, _mm256_set1_epi16((short)0xFF00)), _mm256_set1_epi16(3));
-    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 8));
+    const __m256i s = _mm256_xor_si256(p, _mm256_set1_epi8((char)0x80));
+    const __m256i one = _mm256_cmpgt_epi8(s, _mm256_set1_epi8(85 - 128));
+    const __m256i two = _mm256_cmpgt_epi8(s, _mm256_set1_epi8(170 - 128));
+    return _mm256_sub_epi8(_mm256_setzero_si256(), _mm256_add_epi8(one, two));
 }
 
+/* p * 3 and p * 9 in 8-bit lanes (9p = p + 8p, 8p as the 16-bit shift with the bits from the byte
+ * below cleared). */
 static inline __m256i times3(__m256i p) { return _mm256_add_epi8(p, _mm256_add_epi8(p, p)); }
+static inline __m256i times9(__m256i p) {
+    return _mm256_add_epi8(p, _mm256_and_si256(_mm256_slli_epi16(p, 3), _mm256_set1_epi8((char)0xF8)));
+}
 
 /* TQ1_0: bytes 0-31 give runs 0-4 (digit k: run k); bytes 32-47 give elements 160 + 16k + j (runs
- * 5, 6 and the first half of 7); bytes 48-51 give 240 + 4k + j. Value digit - 1. */
-static inline void decode_tq1_0(const uint8_t *b, runs_t *s) {
-    __m256i c[8];
-    __m256i p = _mm256_loadu_si256((const __m256i *)b);
-    for (int k = 0; k < 5; k++, p = times3(p)) c[k] = tq1_digit(p);
-    /* bytes 32-47 times 3^k in the low half, 3^(k + 1) in the high: digits (0, 1), (2, 3), (4, 5) */
-    const __m128i mid = _mm_loadu_si128((const __m128i *)(b + 32));
-    __m256i q = _mm256_set_m128i(_mm_add_epi8(mid, _mm_add_epi8(mid, mid)), mid);
-    c[5] = tq1_digit(q);
-    q = times3(times3(q));
-    c[6] = tq1_digit(q);
-    q = times3(times3(q));
-    uint8_t tail[16]; /* bytes 48-51 times 3^k, k = 0..3 */
-    for (int k = 0, pow = 1; k < 4; k++, pow *= 3)
-        for (int j = 0; j < 4; j++) tail[4 * k + j] = (uint8_t)(b[48 + j] * pow);
-    const __m256i last = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)tail), _mm256_castsi256_si128(q));
-    c[7] = tq1_digit(last);
+ * 5, 6 and the first half of 7); bytes 48-51 give 240 + 4k + j. Codes 0-2. */
+static inline void codes_tq1_0(const uint8_t *b, __m256i code[8]) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)b), v3 = times3(v), v9 = times9(v);
+    code[0] = tq1_digit(v), code[1] = tq1_digit(v3), code[2] = tq1_digit(v9);
+    code[3] = tq1_digit(times9(v3)), code[4] = tq1_digit(times9(v9));
+    const __m128i m = _mm_loadu_si128((const __m128i *)(b + 32));
+    const __m256i m1_3 = _mm256_set_m128i(_mm_add_epi8(m, _mm_add_epi8(m, m)), m), m9_27 = times9(m1_3);
+    code[5] = tq1_digit(m1_3), code[6] = tq1_digit(m9_27);
+    /* bytes 48-51 times 3^k in dword k: their products in 16-bit lanes, the low bytes packed */
+    const __m256i t = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_set1_epi32((int)rd32(b + 48))),
+                                         _mm256_setr_epi16(1, 1, 1, 1, 3, 3, 3, 3, 9, 9, 9, 9, 27, 27, 27, 27));
+    const __m256i t8 = _mm256_and_si256(t, _mm256_set1_epi16(0xFF));
+    const __m128i tail = _mm_packus_epi16(_mm256_castsi256_si128(t8), _mm256_extracti128_si256(t8, 1));
+    code[7] = tq1_digit(_mm256_set_m128i(tail, _mm256_extracti128_si256(times9(m9_27), 0)));
+}
+
+/* Exact mode's runs: the codes as values code - 1 (magnitude and sign mask), scale 1. */
+static inline void runs_of_codes(const __m256i code[8], float d, runs_t *s) {
     for (int r = 0; r < 8; r++) {
-        from_signed(_mm256_sub_epi8(c[r], _mm256_set1_epi8(1)), &s->mag[r], &s->neg[r]);
+        from_signed(_mm256_sub_epi8(code[r], _mm256_set1_epi8(1)), &s->mag[r], &s->neg[r]);
         s->sc[r] = _mm256_set1_epi16(1);
     }
-    s->d = f16_at(b + 52);
+    s->d = d;
+}
+
+static inline void decode_tq2_0(const uint8_t *b, runs_t *s) {
+    __m256i code[8];
+    codes_tq2_0(b, code);
+    runs_of_codes(code, f16_at(b + 64), s);
+}
+
+static inline void decode_tq1_0(const uint8_t *b, runs_t *s) {
+    __m256i code[8];
+    codes_tq1_0(b, code);
+    runs_of_codes(code, f16_at(b + 52), s);
+}
+
+/* The ternary formats, integer mode (as ggml's AVX2 vec_dot): S = sum of code * x minus the sum of
+ * the 256 x, in 16-bit lanes (u8 x s8 pairs through vpmaddubsw, |pair| <= 768, 8 of them and the
+ * bsums <= 8192: exact), then summed in int32: generic.c's exact S. */
+static inline __attribute__((always_inline)) void ternary_body(ROWS_ARGS, int bytes, int d_at, codes_fn decode) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * rb;
+        float acc[MAX_T] = {0};
+        for (int64_t b = 0; b < n / 256; b++) {
+            __m256i code[8];
+            decode(row + b * bytes, code);
+            const float d = f16_at(row + b * bytes + d_at);
+            for (int t = 0; t < T; t++) {
+                const q8k_t *y = (const q8k_t *)xs[t] + b;
+                __m256i s16 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)y->bsums));
+                for (int k = 0; k < 8; k++)
+                    s16 = _mm256_add_epi16(
+                        s16, _mm256_maddubs_epi16(code[k], _mm256_loadu_si256((const __m256i *)(y->qs + 32 * k))));
+                const __m256i sum = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+                h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
+                acc[t] += (y->d * d) * (float)_mm_cvtsi128_si32(h);
+            }
+        }
+        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
+    }
 }
 
 typedef void (*decode_fn)(const uint8_t *, runs_t *);
@@ -312,8 +357,17 @@ RUNS_FORMAT(iq3_xxs, 98)
 RUNS_FORMAT(iq3_s, 110)
 RUNS_FORMAT(iq1_s, 50)
 RUNS_FORMAT(iq1_m, 56)
-RUNS_FORMAT(tq2_0, 66)
-RUNS_FORMAT(tq1_0, 54)
+#define TERNARY_FORMAT(name, bytes, d_at)                                                              \
+    static void name##_int(ROWS_ARGS) {                                                                \
+        if (T == 1) ternary_body(w, rb, r0, r1, n, xs, 1, ys, bytes, d_at, codes_##name);               \
+        else ternary_body(w, rb, r0, r1, n, xs, T, ys, bytes, d_at, codes_##name);                      \
+    }                                                                                                  \
+    static void name##_exact(ROWS_ARGS) {                                                              \
+        if (T == 1) runs_exact_body(w, rb, r0, r1, n, xs, 1, ys, bytes, decode_##name);                 \
+        else runs_exact_body(w, rb, r0, r1, n, xs, T, ys, bytes, decode_##name);                        \
+    }
+TERNARY_FORMAT(tq2_0, 66, 64)
+TERNARY_FORMAT(tq1_0, 54, 52)
 
 #define SET(F, name) (FMT[F].integer = name##_int, FMT[F].exact = name##_exact)
 void init_avx2_iq(void) {

@@ -1,31 +1,12 @@
-/* AVX-512 kernels of the grid i-quants, tq1_0 and tq2_0, exact mode and integer mode (x q8_K): the same
- * bits as generic.c's (and avx2_iq.c's): per super-block the exact int32 S = sum of sc * dot, then
- * acc += (yd * d) * S in fp32. Two runs of 32 elements per zmm: grid entries gathered (vpgatherqq /
- * vpgatherdd), the sign bits as a mask that negates the activations, u8 x s8 pairs (vpmaddubsw) and
- * the scales in int32 (vpdpwssd); IQ1's signed values as magnitudes and a mask. The ternary formats'
- * integer mode: their codes 0-2 (0-3) straight into vpdpbusd, the 256 activations' sum taken off. */
-#include "avx512.h"
+/* AVX-512 kernels of the grid i-quants (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s), exact mode and
+ * integer mode (x q8_K): the same bits as generic.c's (and avx2_iq.c's): per super-block the exact
+ * int32 S = sum of sc * dot, then acc += (yd * d) * S in fp32. Two runs of 32 elements per zmm: grid
+ * entries gathered (vpgatherqq / vpgatherdd), the sign bits as a mask that negates the activations,
+ * u8 x s8 pairs (vpmaddubsw) and the scales in int32 (vpdpwssd). The ternary formats and IQ1 are in
+ * avx512_ternary.c. */
+#include "avx512_pairs.h"
 
 #ifdef MOERUN_AVX512
-#include "iq_unpack.h"
-
-/* One super-block as 4 pairs of runs: magnitudes, a mask of the negative values, int16 scales
- * (lanes 8i .. 8i + 7 for the pair's elements 16i .. 16i + 15), and d. */
-typedef struct {
-    __m512i mag[4], sc[4];
-    __mmask64 neg[4];
-    float d;
-} pairs_t;
-
-/* int16 lanes 8i .. 8i + 7 = s[i]: one scale per 16 elements of a pair of runs. */
-static inline __m512i scales4(int s0, int s1, int s2, int s3) {
-    const __m512i which = _mm512_srli_epi16(
-        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
-                         7, 6, 5, 4, 3, 2, 1, 0),
-        3);
-    return _mm512_permutexvar_epi16(which, _mm512_castsi128_si512(_mm_setr_epi16((short)s0, (short)s1, (short)s2,
-                                                                                 (short)s3, 0, 0, 0, 0)));
-}
 
 /* Bit 7 of each byte (each below 128): the parity of its low 7 bits, as ksigns_iq2xs[v] = v | parity(v) << 7. */
 static inline __m256i with_parity_bit(__m256i v) {
@@ -61,12 +42,6 @@ static inline void signs_scales_x8(__m512i aux, int stride, int first, pairs_t *
         const __m512i which = _mm512_add_epi16(half, _mm512_set1_epi16((short)(2 * (2 * c * stride + first))));
         s->sc[c] = _mm512_permutexvar_epi16(which, sc);
     }
-}
-
-static inline uint64_t rd64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
 }
 
 static inline void pairs_iq2_xxs(const uint8_t *b, pairs_t *s) {
@@ -146,125 +121,6 @@ static inline void pairs_iq3_s(const uint8_t *b, pairs_t *s) {
     s->d = f16_at(b);
 }
 
-/* TQ2_0: pair c = runs 2c, 2c + 1 = the fields at shifts 4(c % 2) and 4(c % 2) + 2 of bytes
- * 32(c / 2) .. + 31, as codes 0-3; value code - 1 (code 3, which ggml's quantiser never writes, is 2). */
-static inline void codes_tq2_0(const uint8_t *b, __m512i code[4]) {
-    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); /* 0 | 2 */
-    for (int c = 0; c < 4; c++) {
-        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 32 * (c / 2))));
-        code[c] = _mm512_and_si512(
-            _mm512_srlv_epi16(v, _mm512_add_epi16(shift, _mm512_set1_epi16((short)(4 * (c % 2))))), _mm512_set1_epi8(3));
-    }
-}
-
-static inline void pairs_tq2_0(const uint8_t *b, pairs_t *s) {
-    __m512i code[4];
-    codes_tq2_0(b, code);
-    for (int c = 0; c < 4; c++) {
-        s->mag[c] = _mm512_abs_epi8(_mm512_sub_epi8(code[c], _mm512_set1_epi8(1)));
-        s->neg[c] = _mm512_cmpeq_epi8_mask(code[c], _mm512_setzero_si512());
-        s->sc[c] = _mm512_set1_epi16(1);
-    }
-    s->d = f16_at(b + 64);
-}
-
-/* Signed values (IQ1's, TQ1's): magnitudes and the mask of the negative ones. */
-static inline void pair_from_signed(__m512i q, pairs_t *s, int c) {
-    s->mag[c] = _mm512_abs_epi8(q);
-    s->neg[c] = _mm512_movepi8_mask(q);
-}
-
-/* IQ1: 8 * grid (grid bytes in {-1, 0, 1}, shifted within 16-bit lanes, the bits that cross into
- * the next byte masked off) plus the deltas. */
-static inline __m512i iq1_values_x8(__m512i grid, __m512i delta) {
-    return _mm512_add_epi8(_mm512_and_si512(_mm512_slli_epi16(grid, 3), _mm512_set1_epi8((char)0xF8)), delta);
-}
-
-static inline void pairs_iq1_s(const uint8_t *b, pairs_t *s) {
-    const __m512i shifts = _mm512_setr_epi64(0, 3, 6, 9, 16, 19, 22, 25);
-    for (int c = 0; c < 4; c++) {
-        const uint16_t qa = rd16(b + 34 + 4 * c), qb = rd16(b + 36 + 4 * c);
-        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c)));
-        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(qa | (uint32_t)qb << 16), shifts),
-                                            _mm512_set1_epi64(7));
-        const __m512i grid =
-            _mm512_i64gather_epi64(_mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)), (const void *)IQ1S_GRID, 8);
-        const __m512i delta = _mm512_inserti64x4(_mm512_set1_epi8((char)(qa >> 15 ? -1 : 1)),
-                                                 _mm256_set1_epi8((char)(qb >> 15 ? -1 : 1)), 1);
-        pair_from_signed(iq1_values_x8(grid, delta), s, c);
-        const int la = 2 * ((qa >> 12) & 7) + 1, lb = 2 * ((qb >> 12) & 7) + 1;
-        s->sc[c] = scales4(la, la, lb, lb);
-    }
-    s->d = f16_at(b) * 0.125f;
-}
-
-static inline void pairs_iq1_m(const uint8_t *b, pairs_t *s) {
-    const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
-    uint16_t d_bits = 0;
-    for (int c = 0; c < 4; c++) {
-        const uint16_t word = rd16(b + 48 + 2 * c); /* the pair's 4 scales, one nibble of d */
-        d_bits |= (uint16_t)((word >> 12) << (4 * c));
-        const uint32_t nib = rd32(b + 32 + 4 * c); /* group l: 3 index bits, then the delta's sign */
-        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 8 * c)));
-        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(nib), shifts), _mm512_set1_epi64(7));
-        const __m512i grid =
-            _mm512_i64gather_epi64(_mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)), (const void *)IQ1S_GRID, 8);
-        __mmask8 minus = 0;
-        for (int l = 0; l < 8; l++) minus |= (__mmask8)(((nib >> (4 * l + 3)) & 1) << l);
-        const __m512i delta = _mm512_mask_blend_epi64(minus, _mm512_set1_epi8(1), _mm512_set1_epi8(-1));
-        pair_from_signed(iq1_values_x8(grid, delta), s, c);
-        s->sc[c] = scales4(2 * (word & 7) + 1, 2 * ((word >> 3) & 7) + 1, 2 * ((word >> 6) & 7) + 1,
-                           2 * ((word >> 9) & 7) + 1);
-    }
-    s->d = f16_to_f32(d_bits) * 0.125f;
-}
-
-/* TQ1_0's digit k of each byte v from p = v * 3^k mod 256: ((p * 3) >> 8), per 16-bit lane the low
- * byte's as mulhi(lo, 768) and the high byte's as mulhi(hi * 256, 3). */
-static inline __m512i tq1_digits_x64(__m512i p) {
-    const __m512i lo = _mm512_mulhi_epu16(_mm512_and_si512(p, _mm512_set1_epi16(0x00FF)), _mm512_set1_epi16(768));
-    const __m512i hi = _mm512_mulhi_epu16(_mm512_and_si512(p, _mm512_set1_epi16((short)0xFF00)), _mm512_set1_epi16(3));
-    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 8));
-}
-
-static inline __m512i times3_x64(__m512i p) { return _mm512_add_epi8(p, _mm512_add_epi8(p, p)); }
-static inline __m256i times3_x32(__m256i p) { return _mm256_add_epi8(p, _mm256_add_epi8(p, p)); }
-static inline __m128i times3_x16(__m128i p) { return _mm_add_epi8(p, _mm_add_epi8(p, p)); }
-
-/* TQ1_0 (iq_unpack.h's layout): pairs (0, 1) and (2, 3) are digits (0, 1), (2, 3) of bytes 0-31;
- * pair (4, 5) is digit 4 of bytes 0-31, then digits 0, 1 of bytes 32-47; pair (6, 7) digits 2, 3, 4
- * of bytes 32-47, then digits 0-3 of bytes 48-51. Value digit - 1. */
-static inline void codes_tq1_0(const uint8_t *b, __m512i digits[4]) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)b);
-    __m512i p = _mm512_inserti64x4(_mm512_castsi256_si512(v), times3_x32(v), 1);
-    digits[0] = tq1_digits_x64(p);
-    p = times3_x64(times3_x64(p));
-    digits[1] = tq1_digits_x64(p);
-    const __m128i m1 = _mm_loadu_si128((const __m128i *)(b + 32)), m3 = times3_x16(m1), m9 = times3_x16(m3);
-    const __m128i m27 = times3_x16(m9), m81 = times3_x16(m27);
-    /* bytes 48-51 times 3^k in dword k, k = 0..3 */
-    const __m128i t1 = _mm_set1_epi32((int)rd32(b + 48)), t3 = times3_x16(t1), t9 = times3_x16(t3);
-    const __m128i tail = _mm_blend_epi32(_mm_blend_epi32(t1, t3, 0x2), _mm_blend_epi32(t9, times3_x16(t9), 0x8), 0xC);
-    p = times3_x64(times3_x64(p)); /* low half: bytes 0-31 times 81 */
-    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m1, 2), m3, 3);
-    digits[2] = tq1_digits_x64(p);
-    p = _mm512_inserti32x4(_mm512_castsi128_si512(m9), m27, 1);
-    p = _mm512_inserti32x4(_mm512_inserti32x4(p, m81, 2), tail, 3);
-    digits[3] = tq1_digits_x64(p);
-}
-
-static inline void pairs_tq1_0(const uint8_t *b, pairs_t *s) {
-    __m512i digits[4];
-    codes_tq1_0(b, digits);
-    for (int c = 0; c < 4; c++) {
-        pair_from_signed(_mm512_sub_epi8(digits[c], _mm512_set1_epi8(1)), s, c);
-        s->sc[c] = _mm512_set1_epi16(1);
-    }
-    s->d = f16_at(b + 52);
-}
-
-typedef void (*pairs_fn)(const uint8_t *, pairs_t *);
-
 static inline __attribute__((always_inline)) void pairs_body(ROWS_ARGS, int bytes, pairs_fn decode) {
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * rb;
@@ -287,169 +143,10 @@ static inline __attribute__((always_inline)) void pairs_body(ROWS_ARGS, int byte
     }
 }
 
-/* The ternary formats, integer mode: S = sum of (code - 1) * x = sum of code * x (codes 0-3, u8 x s8
- * through vpdpbusd) minus the sum of the 256 x (the 16 bsums), exact in int32 as generic.c's. */
-typedef void (*codes_fn)(const uint8_t *, __m512i *);
-
-static inline __attribute__((always_inline)) void ternary_body(ROWS_ARGS, int bytes, int d_at, codes_fn decode) {
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * rb;
-        float acc[MAX_T] = {0};
-        for (int64_t b = 0; b < n / 256; b++) {
-            __m512i code[4];
-            decode(row + b * bytes, code);
-            const float d = f16_at(row + b * bytes + d_at);
-            for (int t = 0; t < T; t++) {
-                const q8k_t *y = (const q8k_t *)xs[t] + b;
-                __m512i sum = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                               _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)y->bsums)));
-                for (int c = 0; c < 4; c++)
-                    sum = _mm512_dpbusd_epi32(sum, code[c], _mm512_loadu_si512((const void *)(y->qs + 64 * c)));
-                acc[t] += (y->d * d) * (float)_mm512_reduce_add_epi32(sum);
-            }
-        }
-        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
-    }
-}
-
-/* IQ1_S, integer mode: q = 8 g + delta_k (g in {-1, 0, 1} from the grid, delta_k = +-1 per run k of
- * 32), so S = sum_k sc_k (8 sum (g + 1) x + (delta_k - 8) sum x): g + 1 as u8 through vpmaddubsw,
- * 8 sc_k through vpdpwssd, and the runs' activation sums (two bsums each) times sc_k (delta_k - 8).
- * The same int32 S as generic.c's. */
-typedef struct {
-    __m512i g1[4], sc[4]; /* pair c: unsigned bytes times x (here g + 1); int16 scales (8 sc_k), 16 lanes per run */
-    __m512i coef;         /* int16 lanes 0-15: times bsums (here sc_k (delta_k - 8) in 2k, 2k + 1); 16-31 zero */
-    float d;
-} iq1_int_t;
-
-static inline void iq1_s_int_parts(const uint8_t *b, iq1_int_t *s) {
-    const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 34)); /* run k's uint16 */
-    const __m128i sc = _mm_add_epi16(_mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7)), 1),
-                                     _mm_set1_epi16(1));
-    const __m128i dm8 = _mm_add_epi16(_mm_set1_epi16(-7), _mm_slli_epi16(_mm_srai_epi16(qh, 15), 1)); /* -7 or -9 */
-    const __m128i coef = _mm_mullo_epi16(sc, dm8);
-    s->coef = _mm512_zextsi256_si512(
-        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(coef, coef)), _mm_unpackhi_epi16(coef, coef), 1));
-    const __m512i sc8 = _mm512_castsi128_si512(_mm_slli_epi16(sc, 3));
-    const __m512i half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
-    for (int c = 0; c < 4; c++) s->sc[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(half, _mm512_set1_epi16((short)(2 * c))), sc8);
-    /* group 4k + l's index: qs byte 4k + l, then bits 3l .. 3l + 2 of run k's uint16 */
-    const __m512i qh32 = _mm512_castsi256_si512(_mm256_cvtepu16_epi32(qh));
-    const __m512i shift = _mm512_set_epi32(9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0);
-    const __m512i run = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    for (int h = 0; h < 2; h++) { /* runs 4h .. 4h + 3 */
-        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h)));
-        const __m512i k = _mm512_add_epi32(run, _mm512_set1_epi32(4 * h));
-        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(k, qh32), shift), _mm512_set1_epi32(7));
-        const __m512i idx = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8));
-        const __m512i one = _mm512_set1_epi8(1);
-        s->g1[2 * h] = _mm512_add_epi8(_mm512_i32gather_epi64(_mm512_castsi512_si256(idx), (const void *)IQ1S_GRID, 8), one);
-        s->g1[2 * h + 1] = _mm512_add_epi8(_mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1), (const void *)IQ1S_GRID, 8), one);
-    }
-    s->d = f16_at(b) * 0.125f;
-}
-
-/* IQ1_M, integer mode: q + 9 = 8 g + delta + 9 (in 0-18, delta = +-1 per 8 elements) as u8 through
- * vpmaddubsw, its 16 scales sc_G through vpdpwssd, and -9 sc_G times the bsums. */
-static inline void iq1_m_int_parts(const uint8_t *b, iq1_int_t *s) {
-    const uint64_t words = rd64(b + 48); /* 4 uint16: scales 4k .. 4k + 3 (3 bits each), a nibble of d */
-    const uint16_t d_bits = (uint16_t)(((words >> 12) & 0xF) | ((words >> 24) & 0xF0) | ((words >> 36) & 0xF00) |
-                                       ((words >> 48) & 0xF000));
-    const __m256i w16 = _mm256_permutexvar_epi16(
-        _mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm256_castsi128_si256(_mm_cvtsi64_si128((long long)words)));
-    __m256i sc = _mm256_and_si256(_mm256_srlv_epi16(w16, _mm256_setr_epi16(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9)),
-                                  _mm256_set1_epi16(7));
-    sc = _mm256_add_epi16(_mm256_add_epi16(sc, sc), _mm256_set1_epi16(1));
-    s->coef = _mm512_zextsi256_si512(_mm256_mullo_epi16(sc, _mm256_set1_epi16(-9)));
-    const __m512i which = _mm512_srli_epi16(
-        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
-                         7, 6, 5, 4, 3, 2, 1, 0),
-        3);
-    for (int c = 0; c < 4; c++)
-        s->sc[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(which, _mm512_set1_epi16((short)(4 * c))), _mm512_castsi256_si512(sc));
-    const __m512i shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
-    for (int c = 0; c < 4; c++) {
-        /* group 8c + l: index qs byte, then bits 4l .. 4l + 2 of the pair's uint32 at 32 + 4c; bit 4l + 3 the delta's sign */
-        const __m512i nib = _mm512_srlv_epi64(_mm512_set1_epi64(rd32(b + 32 + 4 * c)), shifts);
-        const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 8 * c)));
-        const __m512i idx = _mm512_or_si512(lo, _mm512_slli_epi64(_mm512_and_si512(nib, _mm512_set1_epi64(7)), 8));
-        const __m512i grid = _mm512_i64gather_epi64(idx, (const void *)IQ1S_GRID, 8);
-        const __mmask8 minus = _mm512_test_epi64_mask(nib, _mm512_set1_epi64(8));
-        const __m512i delta9 = _mm512_mask_blend_epi64(minus, _mm512_set1_epi8(10), _mm512_set1_epi8(8)); /* delta + 9 */
-        s->g1[c] = iq1_values_x8(grid, delta9);
-    }
-    s->d = f16_to_f32(d_bits) * 0.125f;
-}
-
-typedef void (*iq1_parts_fn)(const uint8_t *, iq1_int_t *);
-
-static inline __attribute__((always_inline)) void iq1_body(ROWS_ARGS, int bytes, iq1_parts_fn decode) {
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * rb;
-        float acc[MAX_T] = {0};
-        for (int64_t b = 0; b < n / 256; b++) {
-            iq1_int_t s;
-            decode(row + b * bytes, &s);
-            for (int t = 0; t < T; t++) {
-                const q8k_t *y = (const q8k_t *)xs[t] + b;
-                const __m512i bsums = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)y->bsums));
-                __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bsums, s.coef);
-                for (int c = 0; c < 4; c++) {
-                    const __m512i x = _mm512_loadu_si512((const void *)(y->qs + 64 * c));
-                    sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(s.g1[c], x), s.sc[c]);
-                }
-                acc[t] += (y->d * s.d) * (float)_mm512_reduce_add_epi32(sum);
-            }
-        }
-        for (int t = 0; t < T; t++) ys[t][r] = acc[t];
-    }
-}
-
-/* Exact mode: each 16 elements' values step * q, step = d * sc, as generic.c's rows_k_exact, then
- * acc += v * x (a multiply, then an add) in its 16 lanes, chunk after chunk, summed by sum16_tree. */
-static inline __attribute__((always_inline)) void pairs_exact_body(ROWS_ARGS, int bytes, pairs_fn decode) {
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * rb;
-        __m512 acc[MAX_T];
-        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < n / 256; b++) {
-            pairs_t s;
-            decode(row + b * bytes, &s);
-            for (int c = 0; c < 4; c++) {
-                int8_t q[64];
-                int16_t sc[32];
-                _mm512_storeu_si512((void *)q, _mm512_mask_sub_epi8(s.mag[c], s.neg[c], _mm512_setzero_si512(), s.mag[c]));
-                _mm512_storeu_si512((void *)sc, s.sc[c]);
-                for (int g = 0; g < 4; g++) {
-                    const __m512 step = _mm512_set1_ps(s.d * (float)sc[8 * g]);
-                    const __m128i q16 = _mm_loadu_si128((const __m128i *)(q + 16 * g));
-                    const __m512 v = _mm512_mul_ps(step, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)));
-                    for (int t = 0; t < T; t++) {
-                        const float *x = (const float *)xs[t] + 256 * b + 64 * c + 16 * g;
-                        acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(v, _mm512_loadu_ps(x)));
-                    }
-                }
-            }
-        }
-        for (int t = 0; t < T; t++) ys[t][r] = sum16_zmm(acc[t]);
-    }
-}
-
-#define PAIRS_EXACT(name, bytes)                                                                       \
-    static void name##_exact(ROWS_ARGS) {                                                              \
-        if (T == 1) pairs_exact_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                 \
-        else pairs_exact_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                        \
-    }
 #define PAIRS_FORMAT(name, bytes)                                                                      \
     static void name##_int(ROWS_ARGS) {                                                                \
         if (T == 1) pairs_body(w, rb, r0, r1, n, xs, 1, ys, bytes, pairs_##name);                       \
         else pairs_body(w, rb, r0, r1, n, xs, T, ys, bytes, pairs_##name);                              \
-    }                                                                                                  \
-    PAIRS_EXACT(name, bytes)
-#define TERNARY_FORMAT(name, bytes, d_at)                                                              \
-    static void name##_int(ROWS_ARGS) {                                                                \
-        if (T == 1) ternary_body(w, rb, r0, r1, n, xs, 1, ys, bytes, d_at, codes_##name);               \
-        else ternary_body(w, rb, r0, r1, n, xs, T, ys, bytes, d_at, codes_##name);                      \
     }                                                                                                  \
     PAIRS_EXACT(name, bytes)
 PAIRS_FORMAT(iq2_xxs, 66)
@@ -457,16 +154,6 @@ PAIRS_FORMAT(iq2_xs, 74)
 PAIRS_FORMAT(iq2_s, 82)
 PAIRS_FORMAT(iq3_xxs, 98)
 PAIRS_FORMAT(iq3_s, 110)
-#define IQ1_FORMAT(name, bytes)                                                                        \
-    static void name##_int(ROWS_ARGS) {                                                                \
-        if (T == 1) iq1_body(w, rb, r0, r1, n, xs, 1, ys, bytes, name##_int_parts);                     \
-        else iq1_body(w, rb, r0, r1, n, xs, T, ys, bytes, name##_int_parts);                            \
-    }                                                                                                  \
-    PAIRS_EXACT(name, bytes)
-IQ1_FORMAT(iq1_s, 50)
-IQ1_FORMAT(iq1_m, 56)
-TERNARY_FORMAT(tq2_0, 66, 64)
-TERNARY_FORMAT(tq1_0, 54, 52)
 
 #define SET(F, name) (FMT[F].integer = name##_int, FMT[F].exact = name##_exact)
 void init_avx512_iq(void) {
@@ -475,10 +162,6 @@ void init_avx512_iq(void) {
     SET(F_IQ2_S, iq2_s);
     SET(F_IQ3_XXS, iq3_xxs);
     SET(F_IQ3_S, iq3_s);
-    SET(F_TQ2_0, tq2_0);
-    SET(F_IQ1_S, iq1_s);
-    SET(F_IQ1_M, iq1_m);
-    SET(F_TQ1_0, tq1_0);
 }
 #else
 void init_avx512_iq(void) {}

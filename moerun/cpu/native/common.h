@@ -58,11 +58,12 @@ void init_generic(void);
 void init_avx512(void); /* overrides entries of FMT where the variant has faster code */
 void init_avx2(void);
 /* The formats added second, in the same bits as generic.c's: q4_1, q5_0, q5_1, iq4_nl, iq4_xs (_iq4);
- * the grid i-quants, tq1_0 and tq2_0 (_iq). */
+ * the grid i-quants, tq1_0 and tq2_0 (_iq; on avx512 tq1_0, tq2_0, iq1_s and iq1_m in _ternary). */
 void init_avx2_iq4(void);
 void init_avx512_iq4(void);
 void init_avx2_iq(void);
 void init_avx512_iq(void);
+void init_avx512_ternary(void);
 
 /* A call's large buffers (the MoE step's hidden rows, a prompt's quantised activations), carved
  * from the calling thread's scratch region, which is kept from call to call: fresh allocations

@@ -25,6 +25,7 @@ __attribute__((constructor)) void moerun_ensure_init(void) { /* runs when the li
     init_avx512();
     init_avx512_iq4();
     init_avx512_iq();
+    init_avx512_ternary();
     init_gemm_kq_avx512();
     init_gemm_q6k_avx512();
     init_gemm_b32_avx512();

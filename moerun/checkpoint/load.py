@@ -35,6 +35,7 @@ from moerun.offload.budget import KV_RESERVE_TOKENS, auto_budget, free_device_me
 from moerun.offload.pieces import stand_ins
 from moerun.quant.cache import DequantCache
 from moerun.quant.formats import QTensor
+from moerun.quant.halves import GateUpHalves
 from moerun.quant.scales import first_nonfinite_block
 from moerun.text.tokenizer import Tokenizer
 
@@ -288,9 +289,13 @@ def _refuse_nonfinite_scales(gguf: GGUFFile, tensors: Mapping[str, object], expe
     """Refuses a quantised tensor the model holds (streamed experts: the store checks each expert as
     it reads it) with a block whose fp16 scale is inf or NaN, which would make every logit NaN. The
     message names the file's tensor and its block where the model's tensor is a view of the file."""
+    quantised = []
     for name, t in tensors.items():
-        if not isinstance(t, QTensor) or t.data.is_meta or (".experts." in name and not experts_too):
+        if ".experts." in name and not experts_too:
             continue
+        parts = (t.gate, t.up) if isinstance(t, GateUpHalves) else (t,)
+        quantised += [(name, part) for part in parts if isinstance(part, QTensor) and not part.data.is_meta]
+    for name, t in quantised:
         block = first_nonfinite_block(t.format, t.data)
         if block is None:
             continue

@@ -25,6 +25,7 @@ import torch
 from moerun import cpu
 from moerun.activations import Activation
 from moerun.cpu.library import FORMAT_IDS
+from moerun.errors import TensorError
 from moerun.linear import NATIVE_ROWS, native_linear, native_weight
 from moerun.moe.backends.torch_backend import Norm, TorchBackend, batch_plan, combine, rows_by_expert
 from moerun.moe.backends.workspace import Workspace
@@ -34,6 +35,7 @@ from moerun.moe.routing import RouterCheck, SoftmaxTopK, TopKSoftmax, check_logi
 from moerun.moe.trace import LayerTrace
 from moerun.quant.formats import QTensor
 from moerun.quant.halves import GateUpHalves
+from moerun.quant.scales import first_nonfinite_block
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,12 @@ class _Table:
         self.intermediate = I
         self._per_k: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stream = experts.stream  # by_place is indexed by its slots; None: by expert row
+        # resident quantised experts are read where the file put them, so their scales are checked
+        # here as each is first used (the expert store checks what it reads; torch's copies at load)
+        self._unchecked = None
+        if experts.stream is None and experts.quantised:
+            self._checked_weights = (experts.layer_name, experts.gate_up, experts.down)
+            self._unchecked = torch.ones(len(self.by_expert), dtype=torch.bool)
         self._share = None  # expert parallelism: expert id -> its row in the share's tensors
         if experts.owned is not None:
             self._share = torch.full((max(experts.owned) + 1,), -1, dtype=torch.long)
@@ -104,9 +112,37 @@ class _Table:
         """The pointer table int64 [k, 6] and formats int32 [k, 2] of `experts` (int64 [k]): their
         weights at their rows (`held`) or, streamed, at the cache slots they are fetched into now."""
         held = self.held(experts)
+        if self._unchecked is not None and bool(self._unchecked[held].any()):
+            self._check_scales(experts, held)
         places = held if self._stream is None else self._stream.slot_ids(experts).long()
         table = torch.cat([self.by_place[places], self.by_expert[held]], dim=1)
         return table, self.per_k(len(experts))[0]
+
+    def _check_scales(self, experts: torch.Tensor, held: torch.Tensor) -> None:
+        """Refuses an expert of `experts` not checked yet with a block whose fp16 scale is inf or NaN
+        (every logit would be NaN), naming the layer, the expert, its projection and the block."""
+        for e, row in zip(experts.tolist(), held.tolist(), strict=True):
+            if not self._unchecked[row]:
+                continue
+            layer, gate_up, down = self._checked_weights
+            parts = (
+                (("gate", gate_up.gate), ("up", gate_up.up))
+                if isinstance(gate_up, GateUpHalves)
+                else (("gate_up", gate_up),)
+            )
+            for name, weight in (*parts, ("down", down)):
+                if not isinstance(weight, QTensor):
+                    continue
+                block = first_nonfinite_block(weight.format, weight.data[row])
+                if block is not None:
+                    raise TensorError(
+                        f"{layer}: expert {e}'s {name} weights ({weight.format.name}): "
+                        f"block {block} has a scale that is not a number (inf or NaN); the file is damaged "
+                        "or was written wrong."
+                    )
+            self._unchecked[row] = False
+        if not self._unchecked.any():
+            self._unchecked = None
 
     def per_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(formats int32 [k, 2], slot rows int32 [1, k] = 0 .. k-1), made once per k."""

@@ -7,7 +7,7 @@ reads them interleaved (gate in even columns, up in odd), as its checkpoints sto
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ class GLU:
     """act(gate) * up, gate = columns [0, I), up = columns [I, 2I)."""
 
     gate_fn: Literal["silu", "gelu", "gelu_tanh"] = "silu"
+    interleaved: ClassVar[bool] = False  # gate_up's columns (and rows) are gate's then up's
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -52,6 +53,7 @@ class GptOssSwiGLU:
 
     alpha: float = 1.702
     limit: float = 7.0
+    interleaved: ClassVar[bool] = True  # gate_up's columns (and rows) alternate gate and up
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate = gate_up[..., 0::2].clamp(max=self.limit)

@@ -39,3 +39,10 @@ def place(
     if out.data_ptr() != tensor.data_ptr() and tensor.device.type == "cpu":
         release_mapped(tensor)  # a copy of a file map's bytes: the map's pages are not held twice
     return out
+
+
+def given_back(*views: torch.Tensor) -> None:
+    """Views of a file map that were copied elsewhere: the map's pages of them go (read again from
+    the file if touched); anything else is left alone."""
+    for view in views:
+        release_mapped(view)

@@ -202,7 +202,7 @@ def test_a_prompt_runs_each_expert_once_with_the_row_kernels_bits(gate_up, down,
     x = torch.randn(tokens, QH, generator=torch.Generator().manual_seed(8))
     layer = _layer(gate_up, down, "cpu", INT8)
     weights, ids = route(SPEC.routing, torch.nn.functional.linear(x, layer.tensors["router.weight"]))
-    table = cpu_backend._table(layer.experts)
+    table = cpu_backend._table(layer.experts, SPEC.activation)
     distinct = torch.unique(ids)
     assert torch.bincount(ids.reshape(-1)).max() >= 16  # an expert with enough tokens for every GEMM
     pointers, formats = table.rows(distinct)

@@ -20,6 +20,7 @@ from hf_models import VOCAB, make_model, save_gpt_oss_mxfp4, save_model
 import moerun
 from moerun.distributed import ExpertParallel, ExpertParallelError, ExpertShard
 from moerun.quant.formats import QTensor
+from moerun.quant.halves import GateUpHalves
 
 IDS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
 PROMPT = IDS[0, :6].tolist()
@@ -85,6 +86,9 @@ def _rank(
 
 def _expert(t, e: int) -> torch.Tensor:
     """Expert e of a stacked expert tensor [E, ...] (a QTensor's: its bytes)."""
+    if isinstance(t, GateUpHalves):  # gate and up as the file stores them: expert e's, joined
+        joined = t.expert(e)
+        return joined.data if isinstance(joined, QTensor) else joined
     return t.data[e] if isinstance(t, QTensor) else t[e]
 
 
@@ -627,7 +631,8 @@ def test_a_rank_other_than_0_reads_nothing_but_its_experts(name, streamed, tmp_p
     experts = {k for k in tensors if ".moe.experts." in k}
     assert experts and len(tensors) > len(experts)
     for key, t in tensors.items():
-        data = t.data if isinstance(t, QTensor) else t
+        data = t.gate if isinstance(t, GateUpHalves) else t
+        data = data.data if isinstance(data, QTensor) else data
         if key in experts:  # streamed: the model gets stand-ins, the expert store the file's bytes
             assert streamed or (not data.is_meta and t.shape[0] == share.size), (key, t.shape)
         else:

@@ -65,8 +65,13 @@ def test_a_damaged_expert_block_is_refused_resident_and_when_streamed(qwen_gguf)
     per_expert = 64 * 32 // 32  # down [64, 32] in q8_0: 64 blocks of 32
     _damage(qwen_gguf, "blk.0.ffn_down_exps.weight", [e * per_expert + 7 for e in range(8)])
     with pytest.raises(TensorError, match=r"block 7 has a scale that is not a number") as e:
-        moerun.load(qwen_gguf, dtype=torch.float32)
+        moerun.load(qwen_gguf, dtype=torch.float32, backend="torch")  # joined copies: checked at load
     assert str(qwen_gguf) in str(e.value)
+    in_place = moerun.load(qwen_gguf, dtype=torch.float32, backend="cpu")  # each expert as first used
+    with pytest.raises(
+        TensorError, match=r"layers\.0\.moe: expert \d+'s down weights \(q8_0\): block 7 has a"
+    ):
+        in_place.logits(torch.arange(8)[None])
     model = moerun.load(qwen_gguf, dtype=torch.float32, expert_cache_gb=4e-5)
     try:
         with pytest.raises(ExpertReadError, match=r"expert \d+ of .*down: block 7 has a scale that") as e:

@@ -50,6 +50,7 @@ from moerun.moe.layer import StateDictError
 from moerun.offload.pieces import ExpertPieces, stand_ins
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor, storage_free
+from moerun.quant.halves import GateUpHalves
 
 Tensor = torch.Tensor | QTensor
 
@@ -558,12 +559,16 @@ def _canonical_tensors(
                 t = gguf.tensor(block.pop(rel))
                 if share is not None:
                     t = share.cut_one(t)
-                if assemble or dim == -1:
+                if dim == -1:
                     tensors[prefix + layer_names[rel]] = interleave_halves(t, dim)
-                else:  # the halves described as gate and up experts
-                    half = t.shape[-2] // 2
-                    gate, up = rows(t, 0, half), rows(t, half, 2 * half)
-                    tensors[prefix + layer_names[rel]] = gate_up_pieces(gate, up, interleave=True)
+                    continue
+                half = t.shape[-2] // 2
+                gate, up = rows(t, 0, half), rows(t, half, 2 * half)
+                tensors[prefix + layer_names[rel]] = (
+                    GateUpHalves(gate, up, interleaved=True)  # used in place
+                    if assemble
+                    else gate_up_pieces(gate, up, interleave=True)  # described for the store
+                )
         if all(rel in block for rel in _MLA_KV_B):
             tensors[prefix + "attn.kv_b.weight"] = _joined_kv_b(gguf, tuple(block.pop(r) for r in _MLA_KV_B))
         for rel, name in block.items():

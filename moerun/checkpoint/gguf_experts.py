@@ -15,6 +15,7 @@ from moerun.loader.mapped import release_mapped
 from moerun.offload.pieces import ExpertPieces, Piece
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
+from moerun.quant.halves import GateUpHalves
 
 Tensor = torch.Tensor | QTensor
 
@@ -164,16 +165,18 @@ def _gate_and_up(gguf: GGUFFile, parts: GateUp) -> tuple[Tensor, Tensor]:
     return gate, up
 
 
-def fuse(gguf: GGUFFile, parts: GateUp, share=None) -> Tensor:
+def fuse(gguf: GGUFFile, parts: GateUp, share=None) -> Tensor | GateUpHalves:
     """gate [.., I, in] and up [.., I, in] (or biases [.., I]) -> [.., 2I, in]: gate rows then up rows,
     or (interleave) gate row j at 2j and up row j at 2j + 1. Quantised parts stay quantised when they
-    share a format; expert parts must, the small dense MLPs are dequantised. `share` (expert
-    parallelism, a moerun.distributed.ExpertShard): expert parts are cut to it first, so only its
-    experts are copied."""
+    share a format; expert parts must, the small dense MLPs are dequantised. Routed experts' weights
+    are not copied: `GateUpHalves` over the file's two tensors, cut to `share` (expert parallelism, a
+    moerun.distributed.ExpertShard); the rest are joined in RAM."""
     names, interleave = parts.names, parts.interleave
     gate, up = _gate_and_up(gguf, parts)
     if share is not None and parts.expert:
         gate, up = share.cut_one(gate), share.cut_one(up)
+    if parts.expert and not names[0].endswith(".bias"):
+        return GateUpHalves(gate, up, interleave)
     if isinstance(gate, QTensor):
         data = _join(gate.data, up.data, dim=-2, interleave=interleave)
         fused = QTensor(gate.format, (*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1]), data)

@@ -34,6 +34,7 @@ from moerun.offload import CacheBudgetError, ExpertCache, ExpertStore
 from moerun.offload.pieces import stand_ins
 from moerun.quant.cache import DequantCache
 from moerun.quant.formats import QTensor
+from moerun.quant.halves import GateUpHalves
 from moerun.quant.scales import first_nonfinite_block
 from moerun.text.tokenizer import Tokenizer
 
@@ -204,7 +205,8 @@ def load(
             expert_cache_gb = fit.budget_bytes / 2**30
             prefetch_k = opened.config.moe.top_k if prefetch_k is None else prefetch_k
     streamed = expert_cache_gb is not None
-    config, tensors, files = opened.tensors(dtype, streamed, expert_parallel or None)
+    in_place = device.type == "cpu" and backend.reads_gate_up_halves  # its kernels check the experts
+    config, tensors, files = opened.tensors(dtype, streamed, expert_parallel or None, in_place)
     expert_cache = None
     if streamed:
         try:
@@ -254,11 +256,15 @@ class _Opened:
         directory, weights = hf_paths(root)
         return cls(root, hf_model_config(directory), directory=directory, hf=SafetensorsCheckpoint(weights))
 
-    def tensors(self, dtype: torch.dtype, streamed: bool, ep: ExpertParallel | None):
+    def tensors(
+        self, dtype: torch.dtype, streamed: bool, ep: ExpertParallel | None, experts_in_place: bool = False
+    ):
         """(the model config, its canonical tensors, the mapped files they view). Expert parallelism,
         resident: only this rank's experts, cut before anything is copied (streamed: the store
         describes every expert and reads only the rank's own); every rank but 0 computes only its
-        experts: the rest of the checkpoint is never read there."""
+        experts: the rest of the checkpoint is never read there. `experts_in_place`: the backend reads
+        resident experts where the file put them and checks their scales as it first uses each, so
+        they are not all read here."""
         share = ep.shard(self.config.moe.num_experts) if ep is not None and not streamed else None
         experts_only = ep is not None and not ep.leads
         if self.gguf is not None:
@@ -267,7 +273,7 @@ class _Opened:
             config, tensors = gguf_model(
                 self.gguf, assemble=not streamed, share=share, experts_only=experts_only
             )
-            _refuse_nonfinite_scales(self.gguf, tensors, experts_too=not streamed)
+            _refuse_nonfinite_scales(self.gguf, tensors, experts_too=not streamed and not experts_in_place)
             return config, tensors, [MappedFile(self.gguf.path, self.gguf.mapped)]
         loaded = _hf_model(self.root, self.hf, self.config, dtype, streamed, share, experts_only)
         return (self.config, *loaded)
@@ -287,12 +293,17 @@ class _Opened:
 
 
 def _refuse_nonfinite_scales(gguf: GGUFFile, tensors: Mapping[str, object], experts_too: bool) -> None:
-    """Refuses a quantised tensor the model holds (streamed experts: the store checks each expert as
-    it reads it) with a block whose fp16 scale is inf or NaN, which would make every logit NaN. The
-    message names the file's tensor and its block where the model's tensor is a view of the file."""
+    """Refuses a quantised tensor the model holds with a block whose fp16 scale is inf or NaN, which
+    would make every logit NaN. Streamed experts are left to the store, which checks each expert as
+    it reads it; experts the cpu backend reads in place, to it, as it first uses each. The message
+    names the file's tensor and its block where the model's tensor is a view of the file."""
+    quantised = []
     for name, t in tensors.items():
-        if not isinstance(t, QTensor) or t.data.is_meta or (".experts." in name and not experts_too):
+        if ".experts." in name and not experts_too:
             continue
+        parts = (t.gate, t.up) if isinstance(t, GateUpHalves) else (t,)
+        quantised += [(name, part) for part in parts if isinstance(part, QTensor) and not part.data.is_meta]
+    for name, t in quantised:
         block = first_nonfinite_block(t.format, t.data)
         if block is None:
             continue

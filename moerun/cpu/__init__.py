@@ -196,9 +196,11 @@ def _activation(act: Activation) -> tuple[int, float, float]:
 @dataclass(frozen=True)
 class ExpertTable:
     """A step's experts as `moe_decode_table` reads them (the caller keeps the tensors the pointers
-    point into alive and checked): pointers int64 [E, 4], the addresses of each expert's gate_up
-    [2I, H] and down [H, I] weights and of its fp32 gate_up bias [2I] and down bias [H] (0: none);
-    formats int32 [E, 2], FORMAT_IDS of gate_up and down; the experts' intermediate size I."""
+    point into alive and checked): pointers int64 [E, 6] per expert: the addresses of its gate_up's
+    gate half [I, H] and up half [I, H], the bytes from one of their rows to the next (each half's
+    rows that far apart, wherever the two lie), the address of its down [H, I], of its fp32 gate_up
+    bias [2I] (gate's then up's) and of its down bias [H] (0: none); formats int32 [E, 2], FORMAT_IDS
+    of gate_up and down; the experts' intermediate size I."""
 
     pointers: torch.Tensor
     formats: torch.Tensor
@@ -285,6 +287,7 @@ def moe_decode(
     inter = down[0][1].shape[1] * down[0][1].element_size() // get_format(down[0][0]).block_bytes
     inter *= get_format(down[0][0]).block_size
     rows, row_bytes = [], {}
+    kept = []  # biases reordered for the kernel, alive until it returns
     for e, ((gf, gd), (df, dd)) in enumerate(zip(gate_up, down, strict=True)):
         for fmt_name, data, n, out, what in ((gf, gd, H, 2 * inter, "gate_up"), (df, dd, inter, H, "down")):
             key = (fmt_name, n)
@@ -305,8 +308,13 @@ def moe_decode(
                 bias.dtype != torch.float32 or bias.shape != (size,) or not bias.is_contiguous()
             ):
                 raise FormatError(f"moe_decode: expert {e}'s bias must be contiguous float32 [{size}].")
+            if bias is not None and size == 2 * inter and act.interleaved:  # the kernel's order
+                bias = bias.reshape(inter, 2).t().contiguous()
+                kept.append(bias)
             expert_biases.append(0 if bias is None else bias.data_ptr())
-        rows.append([gd.data_ptr(), dd.data_ptr(), *expert_biases])
+        rb = gd.stride(0) * gd.element_size()
+        up = gd.data_ptr() + (rb if act.interleaved else inter * rb)
+        rows.append([gd.data_ptr(), up, rb * (2 if act.interleaved else 1), dd.data_ptr(), *expert_biases])
     formats = torch.tensor(
         [[FORMAT_IDS[g[0]], FORMAT_IDS[d[0]]] for g, d in zip(gate_up, down, strict=True)], dtype=torch.int32
     )

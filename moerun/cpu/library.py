@@ -71,7 +71,8 @@ REQUIRED = {
 }
 ERRORS = {
     -1: "an unknown format or activation id",
-    -2: "a row length that is not a whole number of the format's blocks",
+    -2: "a row length that is not a whole number of the format's blocks (or an expert table row without "
+    "a weight, or with gate_up rows closer than a row)",
     -3: "an expert index outside the table",
     -4: "out of memory for the work buffers",
 }

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from moerun.distributed.heartbeat import Heartbeat
 from moerun.quant.formats import QTensor
+from moerun.quant.halves import GateUpHalves
 from moerun.settings import TORCHRUN_KEYS, settings
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -139,6 +140,8 @@ class ExpertShard:
         (already cut, or not E experts, for the checks to report) as it is."""
         if len(t.shape) == 0 or t.shape[0] != self.num_experts or self.size == self.num_experts:
             return t
+        if isinstance(t, GateUpHalves):
+            return t.experts(self.start, self.stop)
         if isinstance(t, QTensor):
             return QTensor(t.format, (self.size, *t.shape[1:]), t.data[self.start : self.stop])
         return t[self.start : self.stop]

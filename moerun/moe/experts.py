@@ -1,4 +1,6 @@
-"""A layer's routed experts: gate_up [E, 2I, H] and down [E, H, I], each dense or quantised.
+"""A layer's routed experts: gate_up [E, 2I, H] and down [E, H, I], each dense or quantised (gate_up
+possibly as its two halves where the file stores them, moerun.quant.halves; one expert's is then
+joined when asked for).
 
 Backends ask for one expert's dense projections (`dense`, for prefill: dequantised once and kept in
 the optional DequantCache) or for a matrix-vector product (`matvec`, for decode: quantised weights
@@ -14,8 +16,9 @@ import torch
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize, dequantize_bytes
 from moerun.quant.formats import QTensor
+from moerun.quant.halves import GateUpHalves
 
-Weight = torch.Tensor | QTensor
+Weight = torch.Tensor | QTensor | GateUpHalves
 
 # Rows of a quantised projection dequantised at once in `matvec`: 2 MiB of fp32 (256 rows of H=2048).
 # Smaller tiles measured 3-4x slower: eager dequantisation is a dozen torch ops per tile, so per-op
@@ -46,7 +49,11 @@ class ExpertWeights:
         self.dtype = dtype  # compute dtype of the projections
         self.layer_name = layer_name
         self.cache = cache
-        self.quantised = isinstance(gate_up, QTensor) or isinstance(down, QTensor)
+        self.quantised = (
+            isinstance(gate_up, QTensor)
+            or isinstance(down, QTensor)
+            or (isinstance(gate_up, GateUpHalves) and gate_up.quantised)
+        )
         self.stream = stream  # moerun.offload.LayerStream, or None: every expert resident
 
     def stored(self, projection: str, e: int) -> Weight:
@@ -54,7 +61,7 @@ class ExpertWeights:
         weight = self.gate_up if projection == "gate_up" else self.down
         if self.stream is None:
             e = e if self._row is None else self._row[e]
-            return weight.expert(e) if isinstance(weight, QTensor) else weight[e]
+            return weight.expert(e) if isinstance(weight, QTensor | GateUpHalves) else weight[e]
         data = self.stream.tensors(e)[projection]
         return QTensor(weight.format, weight.shape[1:], data) if isinstance(weight, QTensor) else data
 
@@ -88,7 +95,9 @@ class ExpertWeights:
         """Bytes one expert's projections and biases occupy as stored (quantised or dense)."""
         total = 0
         for tensor in (self.gate_up, self.down, self.gate_up_bias, self.down_bias):
-            if isinstance(tensor, QTensor):
+            if isinstance(tensor, GateUpHalves):
+                total += tensor.nbytes // tensor.shape[0]
+            elif isinstance(tensor, QTensor):
                 total += tensor.data[0].numel()
             elif tensor is not None:
                 total += tensor[0].numel() * tensor.element_size()

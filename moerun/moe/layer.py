@@ -32,9 +32,10 @@ from moerun.moe.routing import (
 from moerun.moe.run import RunSpec
 from moerun.moe.trace import layer_trace
 from moerun.offload.stream import LayerStream
-from moerun.placement import place
+from moerun.placement import given_back, place
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
+from moerun.quant.halves import GateUpHalves
 
 
 @dataclass(frozen=True)
@@ -151,13 +152,20 @@ class MoELayer:
         by the model or the loader), and a rank other than 0 holds the rest as stand-ins."""
         run = run or layer_run(tensors)
         ep = run.expert_parallel
-        check_tensors(spec, tensors, name, held=ep.shard(spec.num_experts).size if ep is not None else None)
+        held = ep.shard(spec.num_experts).size if ep is not None else None
+        check_tensors(spec, tensors, name, held=held)
         streamed = run.expert_cache is not None
         placed = {}
         for key, tensor in tensors.items():
             if streamed and key in _EXPERT_PROJECTIONS:
                 placed[key] = tensor
-            elif isinstance(tensor, QTensor) and key in _EXPERT_PROJECTIONS:
+                continue
+            if isinstance(tensor, GateUpHalves):
+                if _used_apart(tensor, run):
+                    placed[key] = tensor  # read in place by the native kernels
+                    continue
+                tensor = joined(tensor)
+            if isinstance(tensor, QTensor) and key in _EXPERT_PROJECTIONS:
                 # quantised experts stay where the file put them: no BLAS reads them, and the
                 # quantised kernels' sums do not depend on an address
                 placed[key] = QTensor(tensor.format, tensor.shape, tensor.data.to(run.device).contiguous())
@@ -313,6 +321,23 @@ class MoELayer:
             after_fetch()
 
 
+def _used_apart(halves: GateUpHalves, run: RunSpec) -> bool:
+    """Whether the layer keeps gate and up experts apart, where the file put them: on the CPU, for a
+    backend whose kernels read the halves, when they need no conversion to the compute dtype."""
+    return (
+        run.device.type == "cpu"
+        and run.backend.reads_gate_up_halves
+        and (halves.quantised or halves.dtype == run.dtype)
+    )
+
+
+def joined(halves: GateUpHalves):
+    """The halves joined into one [E, 2I, H] weight in RAM, the file map's pages of them given back."""
+    out = halves.joined()
+    given_back(*(part.data if isinstance(part, QTensor) else part for part in (halves.gate, halves.up)))
+    return out
+
+
 def layer_run(
     tensors: Mapping[str, torch.Tensor | QTensor],
     dtype: torch.dtype | None = None,
@@ -366,7 +391,9 @@ def tensor_problems(
     not_float = [
         label(key)
         for key in expected
-        if key in tensors and not isinstance(tensors[key], QTensor) and not tensors[key].is_floating_point()
+        if key in tensors
+        and not isinstance(tensors[key], QTensor | GateUpHalves)
+        and not tensors[key].is_floating_point()
     ]
     problems = []
     if missing:

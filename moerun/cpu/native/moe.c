@@ -11,6 +11,7 @@
 #include "gemm.h"
 
 enum { ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_GPT_OSS };
+enum { TABLE_COLS = 6 }; /* the expert table's columns, see moerun_moe_decode */
 
 static size_t q_bytes(int act, int64_t n) {
     if (act == ACT_Q8_K) return (size_t)(n / 256) * sizeof(q8k_t);
@@ -23,27 +24,20 @@ static void quant(int act, const float *x, int64_t n, void *out) {
     else quantize_q8a(x, n, (q8a_t *)out);
 }
 
+/* h = [gate rows | up rows] of one position (and its bias, in the same order) -> a [I]. */
 static void activate(int kind, float alpha, float limit, const float *h, const float *bias, int64_t I,
                      float *a) {
     for (int64_t i = 0; i < I; i++) {
-        float g, u;
+        float g = h[i], u = h[I + i];
+        if (bias) {
+            g += bias[i];
+            u += bias[I + i];
+        }
         if (kind == ACT_GPT_OSS) {
-            g = h[2 * i];
-            u = h[2 * i + 1];
-            if (bias) {
-                g += bias[2 * i];
-                u += bias[2 * i + 1];
-            }
             g = g > limit ? limit : g;
             u = u > limit ? limit : (u < -limit ? -limit : u);
             a[i] = (u + 1.f) * (g * (1.f / (1.f + expf(-(g * alpha)))));
             continue;
-        }
-        g = h[i];
-        u = h[I + i];
-        if (bias) {
-            g += bias[i];
-            u += bias[I + i];
         }
         if (kind == ACT_SILU) g = g / (1.f + expf(-g));
         else if (kind == ACT_GELU) g = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
@@ -52,14 +46,38 @@ static void activate(int kind, float alpha, float limit, const float *h, const f
     }
 }
 
+/* One expert's projection: rows r at w + r * rb; gate_up's are two halves stored apart, gate rows
+ * [0, I) at w and up rows [I, 2I) at up (row I + j at up + j * rb), wherever each lies. */
 typedef struct {
-    const uint8_t *w;
+    const uint8_t *w, *up;
     size_t rb;
     rows_fn fn;
     int act, fmt;
     int gemm;  /* this expert's projection runs the prefill GEMM (enough tokens) */
     void *xl;  /* its rearranged activations (GEMM only) */
 } proj_t;
+
+/* Rows [r0, r1) of one rows-weight (w, rb) for the positions [q0, q1) of an expert, into column
+ * `col` + r of their output rows. */
+static void rows_of(const proj_t *p, const uint8_t *w, int64_t r0, int64_t r1, int64_t col, int64_t n,
+                    int64_t q0, int64_t q1, const int64_t *in_row, const char *const *act_base,
+                    const size_t *act_stride, float *y, int64_t y_stride) {
+    if (r0 >= r1) return;
+    if (p->gemm) {
+        GEMM[p->fmt].run(p->fmt, w, p->rb, r0, r1, n, p->xl, q1 - q0, y + q0 * y_stride + col, y_stride);
+        return;
+    }
+    for (int64_t i0 = q0; i0 < q1; i0 += MAX_T) {
+        int nt = (int)(q1 - i0 < MAX_T ? q1 - i0 : MAX_T);
+        const void *xs[MAX_T];
+        float *ys[MAX_T];
+        for (int i = 0; i < nt; i++) {
+            xs[i] = act_base[p->act] + (size_t)in_row[i0 + i] * act_stride[p->act];
+            ys[i] = y + (i0 + i) * y_stride + col;
+        }
+        p->fn(w, p->rb, r0, r1, n, xs, nt, ys);
+    }
+}
 
 /* Rows [lo, hi) of the concatenation of every expert's `rows`-row projection. Expert e's tokens sit
  * at positions off[e] .. off[e + 1] - 1 (the step's slots ordered by expert); position p reads
@@ -70,21 +88,12 @@ static void phase_rows(const proj_t *p, int64_t lo, int64_t hi, int64_t rows, in
     for (int64_t e = lo / rows; e * rows < hi; e++) {
         int64_t r0 = lo > e * rows ? lo - e * rows : 0, r1 = hi < (e + 1) * rows ? hi - e * rows : rows;
         if (off[e + 1] == off[e]) continue;
-        if (p[e].gemm) {
-            GEMM[p[e].fmt].run(p[e].fmt, p[e].w, p[e].rb, r0, r1, n, p[e].xl, off[e + 1] - off[e],
-                               y + off[e] * y_stride, y_stride);
-            continue;
-        }
-        for (int64_t i0 = off[e]; i0 < off[e + 1]; i0 += MAX_T) {
-            int nt = (int)(off[e + 1] - i0 < MAX_T ? off[e + 1] - i0 : MAX_T);
-            const void *xs[MAX_T];
-            float *ys[MAX_T];
-            for (int i = 0; i < nt; i++) {
-                xs[i] = act_base[p[e].act] + (size_t)in_row[i0 + i] * act_stride[p[e].act];
-                ys[i] = y + (i0 + i) * y_stride;
-            }
-            p[e].fn(p[e].w, p[e].rb, r0, r1, n, xs, nt, ys);
-        }
+        const int64_t half = p[e].up ? rows / 2 : rows; /* rows read from w; the rest from up */
+        rows_of(&p[e], p[e].w, r0, r1 < half ? r1 : half, 0, n, off[e], off[e + 1], in_row, act_base, act_stride, y,
+                y_stride);
+        if (p[e].up)
+            rows_of(&p[e], p[e].up, (r0 > half ? r0 : half) - half, r1 - half, half, n, off[e], off[e + 1], in_row,
+                    act_base, act_stride, y, y_stride);
     }
 }
 
@@ -125,8 +134,11 @@ static size_t plan_gemm(proj_t *p, int64_t E, const int64_t *off, int64_t n, int
     return total;
 }
 
-/* table int64 [E, 4]: gate_up, down, gate_up bias (0: none), down bias (0: none) addresses;
- * fmts int32 [E, 2]: their formats. slot_expert int32 [T * k]: each slot's row of the table (a
+/* table int64 [E, 6] per expert: gate_up's gate half and up half addresses and the bytes between
+ * their rows (gate row j at gate + j * stride, up row j at up + j * stride: halves stored apart, or
+ * one [2I, H] weight's halves, or its rows interleaved), then the down address, the gate_up bias
+ * (fp32 [2I], gate's then up's; 0: none) and the down bias (0: none); fmts int32 [E, 2]: the formats
+ * of gate_up and down. slot_expert int32 [T * k]: each slot's row of the table (a
  * token's slots ordered by expert id; -1: a slot this call does not compute); slot_weight fp32
  * [T * k]. x [T, H] -> out [T, H]: each token's computed slots summed in order, o = o + w * y, from 0
  * or (flags bit 1, accumulate) from what out holds, so a step split over calls in ascending groups
@@ -160,8 +172,15 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
                 break;
             }
             proj_t *p = j ? &dn[e] : &gu[e];
-            p->w = (const uint8_t *)(intptr_t)table[4 * e + j];
-            p->rb = (size_t)(n / FMT[f].block * FMT[f].bytes);
+            const int64_t *row = table + TABLE_COLS * e;
+            p->w = (const uint8_t *)(intptr_t)row[j ? 3 : 0];
+            p->up = j ? NULL : (const uint8_t *)(intptr_t)row[1];
+            const size_t row_bytes = (size_t)(n / FMT[f].block * FMT[f].bytes);
+            p->rb = j ? row_bytes : (size_t)row[2];
+            if (p->rb < row_bytes || !p->w || (!j && !p->up)) {
+                err = -2;
+                break;
+            }
             p->act = integer ? FMT[f].act : ACT_F32;
             p->fn = p->act == ACT_F32 ? FMT[f].exact : FMT[f].integer;
             p->fmt = f;
@@ -244,7 +263,7 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
 #pragma omp for schedule(static)
             for (int64_t q = 0; q < P; q++) {
                 int64_t e = expert_at[q];
-                const float *bias = (const float *)(intptr_t)table[4 * e + 2];
+                const float *bias = (const float *)(intptr_t)table[TABLE_COLS * e + 4];
                 activate(act_kind, alpha, limit, h + q * R1, bias, I, a + q * I);
                 if (dn[e].act != ACT_F32) quant(dn[e].act, a + q * I, I, (char *)ab[dn[e].act] + q * ast[dn[e].act]);
             }
@@ -268,7 +287,7 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
                 for (int64_t j = 0; j < k; j++) {
                     int64_t s = t * k + j;
                     if (slot_expert[s] < 0) continue;
-                    const float *ys = y + pos[s] * H, *bias = (const float *)(intptr_t)table[4 * slot_expert[s] + 3];
+                    const float *ys = y + pos[s] * H, *bias = (const float *)(intptr_t)table[TABLE_COLS * slot_expert[s] + 5];
                     float wgt = slot_weight[s];
                     for (int64_t c = c0; c < c1; c++) o[c] = o[c] + (bias ? ys[c] + bias[c] : ys[c]) * wgt;
                 }

@@ -25,6 +25,7 @@ import torch
 from moerun import cpu
 from moerun.activations import Activation
 from moerun.cpu.library import FORMAT_IDS
+from moerun.errors import TensorError
 from moerun.linear import NATIVE_ROWS, native_linear, native_weight
 from moerun.moe.backends.torch_backend import Norm, TorchBackend, batch_plan, combine, rows_by_expert
 from moerun.moe.backends.workspace import Workspace
@@ -33,6 +34,8 @@ from moerun.moe.plan import BatchedPlan
 from moerun.moe.routing import RouterCheck, SoftmaxTopK, TopKSoftmax, check_logits
 from moerun.moe.trace import LayerTrace
 from moerun.quant.formats import QTensor
+from moerun.quant.halves import GateUpHalves
+from moerun.quant.scales import first_nonfinite_block
 
 
 @dataclass(frozen=True)
@@ -55,30 +58,46 @@ class _Column:
 class _Table:
     """One layer's experts as the native decode step reads them. The tensors never move (resident
     weights, or the cache's slot pool), so their addresses are read once: `by_place` holds every
-    expert's (or slot's) weight addresses, `by_expert` every expert's bias addresses."""
+    expert's (or slot's) weight addresses (gate_up's gate half, its up half, the bytes between their
+    rows, down), `by_expert` every expert's bias addresses. Resident gate and up stored apart
+    (GateUpHalves) are read where the file put them; a joined gate_up [2I, H] (a slot, or a whole
+    weight) is read as its halves: gate rows then up rows, or (`interleaved`) alternating rows."""
 
-    def __init__(self, experts: ExpertWeights):
-        if experts.stream is None:
-            stacked = [native_weight(w) for w in (experts.gate_up, experts.down)]
-        else:  # the cache's slot pool [S, ...], in the compute dtype or the file's format
-            pools = experts.stream.cache.pool_buffers(experts.stream.layer)
-            stacked = [
-                (_format(w, pools[p]), pools[p])
-                for w, p in ((experts.gate_up, "gate_up"), (experts.down, "down"))
-            ]
-        self.formats = [FORMAT_IDS[fmt] for fmt, _ in stacked]
-        gu, dn = (_Column.of(t) for _, t in stacked)  # indexed by expert, or by slot
-        # the kernels add fp32 biases; kept here, as the columns point into them
-        self._biases = [
-            None if b is None else b.float().contiguous() for b in (experts.gate_up_bias, experts.down_bias)
-        ]
+    def __init__(self, experts: ExpertWeights, interleaved: bool):
+        I = experts.down.shape[-1]  # noqa: E741
+        down = _stacked(experts, "down", experts.down)
+        if isinstance(experts.gate_up, GateUpHalves):  # resident, as the file stores them
+            halves = [native_weight(part) for part in (experts.gate_up.gate, experts.gate_up.up)]
+            gate, up = (_Column.of(t) for _, t in halves)
+            fmt, rows = halves[0]
+            stride = _row_stride(rows)
+        else:  # one joined weight [places, 2I, row]
+            fmt, rows = _stacked(experts, "gate_up", experts.gate_up)
+            gate = _Column.of(rows)
+            up = _Column(gate.base + (1 if interleaved else I) * _row_stride(rows), gate.stride)
+            stride = _row_stride(rows) * (2 if interleaved else 1)
+        self.formats = [FORMAT_IDS[fmt], FORMAT_IDS[down[0]]]
+        dn = _Column.of(down[1])
+        # the kernels add fp32 biases, gate's then up's; kept here, as the columns point into them
+        gate_up_bias, down_bias = experts.gate_up_bias, experts.down_bias
+        if gate_up_bias is not None and interleaved:
+            gate_up_bias = gate_up_bias.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        self._biases = [None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias)]
         gub, dnb = (_Column.of(b) for b in self._biases)  # indexed by expert
-        places, E = stacked[0][1].shape[0], experts.gate_up.shape[0]
-        self.by_place = torch.tensor([[gu.at(p), dn.at(p)] for p in range(places)], dtype=torch.int64)
+        places, E = down[1].shape[0], experts.gate_up.shape[0]
+        self.by_place = torch.tensor(
+            [[gate.at(p), up.at(p), stride, dn.at(p)] for p in range(places)], dtype=torch.int64
+        )
         self.by_expert = torch.tensor([[gub.at(e), dnb.at(e)] for e in range(E)], dtype=torch.int64)
-        self.intermediate = experts.down.shape[-1]
+        self.intermediate = I
         self._per_k: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stream = experts.stream  # by_place is indexed by its slots; None: by expert row
+        # resident quantised experts are read where the file put them, so their scales are checked
+        # here as each is first used (the expert store checks what it reads; torch's copies at load)
+        self._unchecked = None
+        if experts.stream is None and experts.quantised:
+            self._checked_weights = (experts.layer_name, experts.gate_up, experts.down)
+            self._unchecked = torch.ones(len(self.by_expert), dtype=torch.bool)
         self._share = None  # expert parallelism: expert id -> its row in the share's tensors
         if experts.owned is not None:
             self._share = torch.full((max(experts.owned) + 1,), -1, dtype=torch.long)
@@ -90,12 +109,40 @@ class _Table:
         return experts if self._share is None else self._share[experts]
 
     def rows(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pointer table int64 [k, 4] and formats int32 [k, 2] of `experts` (int64 [k]): their
+        """The pointer table int64 [k, 6] and formats int32 [k, 2] of `experts` (int64 [k]): their
         weights at their rows (`held`) or, streamed, at the cache slots they are fetched into now."""
         held = self.held(experts)
+        if self._unchecked is not None and bool(self._unchecked[held].any()):
+            self._check_scales(experts, held)
         places = held if self._stream is None else self._stream.slot_ids(experts).long()
         table = torch.cat([self.by_place[places], self.by_expert[held]], dim=1)
         return table, self.per_k(len(experts))[0]
+
+    def _check_scales(self, experts: torch.Tensor, held: torch.Tensor) -> None:
+        """Refuses an expert of `experts` not checked yet with a block whose fp16 scale is inf or NaN
+        (every logit would be NaN), naming the layer, the expert, its projection and the block."""
+        for e, row in zip(experts.tolist(), held.tolist(), strict=True):
+            if not self._unchecked[row]:
+                continue
+            layer, gate_up, down = self._checked_weights
+            parts = (
+                (("gate", gate_up.gate), ("up", gate_up.up))
+                if isinstance(gate_up, GateUpHalves)
+                else (("gate_up", gate_up),)
+            )
+            for name, weight in (*parts, ("down", down)):
+                if not isinstance(weight, QTensor):
+                    continue
+                block = first_nonfinite_block(weight.format, weight.data[row])
+                if block is not None:
+                    raise TensorError(
+                        f"{layer}: expert {e}'s {name} weights ({weight.format.name}): "
+                        f"block {block} has a scale that is not a number (inf or NaN); the file is damaged "
+                        "or was written wrong."
+                    )
+            self._unchecked[row] = False
+        if not self._unchecked.any():
+            self._unchecked = None
 
     def per_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(formats int32 [k, 2], slot rows int32 [1, k] = 0 .. k-1), made once per k."""
@@ -105,18 +152,29 @@ class _Table:
         return self._per_k[k]
 
 
-def _format(weight, pool: torch.Tensor) -> str:
-    """The format name of a streamed projection's slots: the file's block format, or the pool's dtype."""
-    return weight.format.name if isinstance(weight, QTensor) else native_weight(pool)[0]
+def _stacked(experts: ExpertWeights, projection: str, weight) -> tuple[str, torch.Tensor]:
+    """(format name, [places, rows, row]) of a projection: the resident weight, or the cache's slot
+    pool (in the file's block format, or the pool's dtype)."""
+    if experts.stream is None:
+        return native_weight(weight)
+    pool = experts.stream.cache.pool_buffers(experts.stream.layer)[projection]
+    if isinstance(weight, QTensor):
+        return weight.format.name, pool
+    return native_weight(pool)[0], pool
+
+
+def _row_stride(rows: torch.Tensor) -> int:
+    """Bytes from one row of a [places, rows, row] weight to the next."""
+    return rows.stride(-2) * rows.element_size()
 
 
 _TABLES: weakref.WeakKeyDictionary[ExpertWeights, _Table] = weakref.WeakKeyDictionary()
 
 
-def _table(experts: ExpertWeights) -> _Table:
+def _table(experts: ExpertWeights, act: Activation) -> _Table:
     table = _TABLES.get(experts)
     if table is None:
-        table = _TABLES[experts] = _Table(experts)
+        table = _TABLES[experts] = _Table(experts, act.interleaved)
     return table
 
 
@@ -137,6 +195,7 @@ class CpuBackend(TorchBackend):
     streams_prefill = True  # a step runs one native call per group of experts the cache holds
     native_linears = True
     one_call_decode = True
+    reads_gate_up_halves = True
 
     def unsupported(self, experts: ExpertWeights) -> str | None:
         if not cpu.available():
@@ -198,7 +257,7 @@ class CpuBackend(TorchBackend):
         """One token x [1, H] and its k experts ids [1, k], ascending as every route gives them, with
         weights [1, k] -> [1, H] fp32: `tokens_forward`'s one call without its grouping (a decode
         step's experts are fetched together, the cache holding at least k slots a layer)."""
-        table = _table(experts)
+        table = _table(experts, act)
         ids = ids.reshape(-1)
         pointers, formats = table.rows(ids)
         slots = table.per_k(len(ids))[1]
@@ -224,7 +283,7 @@ class CpuBackend(TorchBackend):
         sequence of additions: the same bits. Dense experts and more than NATIVE_ROWS tokens: each
         expert's rows through torch's GEMM instead (`ws` holds the buffers), resident and streamed
         alike. Activations are int8 or not as the backend was made."""
-        dense = not isinstance(experts.gate_up, QTensor) and not isinstance(experts.down, QTensor)
+        dense = not experts.quantised
         if dense and x.shape[0] > NATIVE_ROWS:
             plan = batch_plan(ids, weights, experts.gate_up.shape[0])
             ws = ws if ws is not None else Workspace()
@@ -245,7 +304,7 @@ class CpuBackend(TorchBackend):
         """x fp32 [T, H], each token's experts ids [T, k] ascending and weights fp32 [T, k] -> [T, H]
         fp32 (into `out`), each token's weighted outputs summed in order, from 0: one native call, or
         streamed one per group of experts the cache holds at once."""
-        table = _table(experts)
+        table = _table(experts, act)
         stream = experts.stream
         groups = [torch.unique(ids)] if stream is None else [torch.tensor(g) for g in stream.groups()]
         out = out.zero_() if out is not None else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
@@ -274,7 +333,7 @@ class CpuBackend(TorchBackend):
         Where `tokens_forward` takes the native decode table (quantised experts, or up to NATIVE_ROWS
         tokens), so do these rows, an assignment a slot: each is that call's term w * y, so that their
         sum in plan order (expert parallelism: rows from several ranks) is its sum, the same bits."""
-        dense = not isinstance(experts.gate_up, QTensor) and not isinstance(experts.down, QTensor)
+        dense = not experts.quantised
         if not dense or x.shape[0] <= NATIVE_ROWS:
             return self._table_rows(x, plan, experts, act, ws, only)
 

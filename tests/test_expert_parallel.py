@@ -515,7 +515,8 @@ def test_torchrun_scores_perplexity_expert_parallel(tmp_path):
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1  # rank 0 alone prints
     ours, theirs = json.loads(lines[0]), json.loads(alone.stdout)
-    assert ours["perplexity"] == theirs["perplexity"] and ours["tokens"] == theirs["tokens"] > 64
+    # llama.cpp's chunks of 64 score their second halves: more than one chunk's 31 tokens
+    assert ours["perplexity"] == theirs["perplexity"] and ours["tokens"] == theirs["tokens"] > 31
 
 
 def test_torchrun_serves_expert_parallel(tmp_path):

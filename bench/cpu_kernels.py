@@ -26,7 +26,13 @@ lower still.
 `--formats tq1_0,iq1_s` runs only the matmul T=1 table, for those formats, on Qwen3-30B-A3B's
 expert shapes ([1536, 2048] gate_up, [2048, 768] down).
 
+GEMM against row kernels for few tokens (`--gemm-speedup q5_0,iq2_xs`): one thread, a [1536, 2048]
+weight in cache, integer matmul as dispatched (the GEMM from its format's threshold) and through the
+row kernels (`gemm=False`), alternated call by call, the fastest of 300 calls each, for T = 1-6, 8
+and 16 (`--tokens`). Below the threshold both are the row kernels: their ratio shows the noise.
+
 Usage: python bench/cpu_kernels.py [--variant avx512] [--quick] [--prefill] [--formats a,b]
+       [--gemm-speedup FMT,..]
 """
 
 from __future__ import annotations
@@ -50,8 +56,13 @@ SCALE_FIELDS = {
     "q4_k": [(0, 0x2000), (2, 0x2000)],
     "q5_k": [(0, 0x2000), (2, 0x2000)],
     "q6_k": [(208, 0x2000)],
+    "q4_1": [(0, 0x2000), (2, 0x2000)],
+    "q5_0": [(0, 0x2000)],
+    "q5_1": [(0, 0x2000), (2, 0x2000)],
     "tq1_0": [(52, 0x2000)],
     "tq2_0": [(64, 0x2000)],
+    **{f: [(0, 0x2000)] for f in ("iq4_nl", "iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s")},
+    "iq1_s": [(0, 0x2000)],
 }
 
 
@@ -152,16 +163,47 @@ def prefill(variant: str, formats: list[str]) -> None:
                     print(f"{'':<24}{T:>4}  {kernel:<16}{gflops(flop, per)}")
 
 
+def fastest_alternated(calls: list, rounds: int) -> list[float]:
+    """The fastest call of each of `calls`, called in turn `rounds` times (a shared machine's noise
+    then falls on both alike)."""
+    best = [float("inf")] * len(calls)
+    for call in calls:
+        call()
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            t0 = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def gemm_speedup(variant: str, formats: list[str], tokens: list[int], rounds: int = 300) -> None:
+    print(f"\none thread, [1536, 2048] in cache: us per call, fastest of {rounds} alternated calls")
+    print(f"{'format':<10}{'T':>4}{'dispatched':>12}{'rows':>10}{'rows / dispatched':>19}")
+    for fmt_name in formats:
+        w = random_weight(fmt_name, 1536, 2048)
+        for T in tokens:
+            x = torch.randn(T, 2048)
+            calls = [partial(cpu.matmul, fmt_name, w, x, True, variant, gemm) for gemm in (True, False)]
+            gemm, rows = with_threads(1, partial(fastest_alternated, calls, rounds))
+            print(f"{fmt_name:<10}{T:>4}{gemm * 1e6:>12.1f}{rows * 1e6:>10.1f}{rows / gemm:>19.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", default=None)
     parser.add_argument("--quick", action="store_true", help="only the hot formats")
     parser.add_argument("--prefill", action="store_true", help="only the prefill GEMM")
     parser.add_argument("--formats", default=None, help="only the matmul T=1 table, for these formats (a,b)")
+    parser.add_argument("--gemm-speedup", default=None, help="formats a,b,..: GEMM vs rows, 1 thread")
+    parser.add_argument("--tokens", default="1,2,3,4,5,6,8,16", help="token counts of --gemm-speedup")
     args = parser.parse_args()
     if not cpu.available():
         raise SystemExit(f"native CPU kernels unavailable: {cpu.unavailable_reason()}")
     variant = args.variant or cpu.isa()
+    if args.gemm_speedup:
+        gemm_speedup(variant, args.gemm_speedup.split(","), [int(t) for t in args.tokens.split(",")])
+        return
     bw = with_threads(2, copy_bandwidth)
     print(f"variant {variant}; copy bandwidth (read + write) {bw:.1f} GB/s, 2 threads")
     hot = ["q4_k", "q6_k", "q8_0", "mxfp4"]

@@ -29,7 +29,9 @@ def bits(y: torch.Tensor) -> torch.Tensor:
 
 def test_gemm_covers_the_prefill_formats_where_avx512_runs():
     if "avx512" in cpu.library.runnable_variants():
-        assert {"q4_k", "q6_k", "q8_0", "mxfp4"} <= cpu.gemm_formats("avx512")
+        lanes = {"q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0"}
+        grids = {"iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m"}
+        assert {"q4_k", "q6_k", "q8_0", "mxfp4"} | lanes | grids <= cpu.gemm_formats("avx512")
     assert cpu.gemm_formats("generic") == frozenset()
 
 
@@ -63,9 +65,13 @@ def test_gemm_matches_exact_integer_sums(fmt_name):
         "q5_0",
         "iq4_nl",
         "iq4_xs",
+        "iq3_xxs",
         "iq3_s",
         "iq2_xxs",
+        "iq2_xs",
+        "iq2_s",
         "iq1_s",
+        "iq1_m",
         "tq2_0",
         "tq1_0",
     ],
@@ -95,24 +101,29 @@ def test_gemm_bitwise_over_threads_and_alignment(fmt_name):
     [("q8_0", T, 224) for T in (64, 65, 66)]
     + [("q6_k", T, 512) for T in (2, 3, 5, 6)]
     + [("iq4_nl", T, 224) for T in (64, 65, 66)]
+    + [("iq1_m", T, 512) for T in (3, 5, 6, 7)]
     + [
         ("q8_0", 300, 2048),
         ("q4_k", 300, 2048),
         ("q6_k", 300, 2048),
         ("q5_1", 300, 2048),
         ("iq4_xs", 300, 2048),
+        ("iq3_xxs", 300, 2048),
         ("iq3_s", 300, 2048),
         ("iq2_xxs", 300, 2048),
+        ("iq2_xs", 300, 2048),
+        ("iq2_s", 300, 2048),
         ("iq1_s", 300, 2048),
+        ("iq1_m", 300, 2048),
         ("tq2_0", 300, 2048),
         ("tq1_0", 300, 2048),
     ],
 )
 def test_gemm_every_token_remainder_and_a_long_prompt(fmt_name, T, n):
     # q8_0 takes the GEMM from 4 tokens: 64..67 tokens cover each remainder of the 4-token
-    # micro-kernel, as q6_k's 2..6 (its GEMM from 2 tokens); 300 tokens of 2048 inputs pass the
-    # activation chunk (~512 KiB: q8_0 84 tokens, q4_k 224, q6_k 200, q5_1 168, iq4_xs 212), after
-    # which the rows are decoded again
+    # micro-kernel, as q6_k's 2..6 (its GEMM from 2 tokens) and iq1_m's 3..7 (from 3); 300 tokens
+    # of 2048 inputs pass the activation chunk (~512 KiB: q8_0 84 tokens, q4_k 224, q6_k 200, q5_1
+    # 168, iq4_xs and the other q8_K lane formats 192), after which the rows are decoded again
     if fmt_name not in GEMM_FORMATS:
         pytest.skip(f"no {fmt_name} GEMM in the {cpu.isa()} kernels")
     w, x = make_weight(fmt_name, out=10, n=n), make_x(T, n)

@@ -87,6 +87,9 @@ def test_integer_moe_decode_matches_integer_reference(variant, gu_fmt, down_fmt,
         ("iq2_xxs", "iq4_xs"),
         ("iq1_s", "tq2_0"),
         ("tq1_0", "iq1_s"),
+        ("iq3_xxs", "iq2_xs"),
+        ("iq2_s", "iq1_m"),
+        ("iq1_m", "iq3_xxs"),
     ],
 )
 def test_integer_moe_decode_gemm_experts_equal_row_kernels_bitwise(gu_fmt, down_fmt):

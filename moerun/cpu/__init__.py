@@ -17,12 +17,12 @@ are tested against moerun's own torch modules, which they compute in one call: `
 against moerun.decoder.attention (with the model's RMSNorm), `moe_route` against moerun.moe.routing,
 `dequantize_rows` against moerun.quant.dequant (bit for bit).
 
-Prefill: on avx512, integer-mode matmul of many tokens (q4_k, q5_k from T = 16; q6_k from 64; q8_0
-from 4; q4_0, mxfp4 from 8; q4_1, q5_0, q5_1, iq4_nl, iq4_xs from 2; iq1_s, tq2_0, tq1_0 from 3;
-iq3_s, iq2_xxs from 4) runs a GEMM (native/gemm_*.c) that decodes each weight block once per 4 rows
-(gemm_lanes_*.c: 16 rows, one per zmm lane) and token chunk; it computes every output with the row
-kernels' own integer sums and fp32 steps, so prefill equals decode (T = 1) bit for bit. The MoE step
-takes it per expert, for the experts with that many tokens.
+Prefill: on avx512, integer-mode matmul of many tokens (q4_k, q5_k from T = 16; q6_k from 2; q8_0
+from 4; q4_0, mxfp4 from 8; q5_0, iq4_nl, iq4_xs, iq2_xxs, iq1_s from 2; q4_1, q5_1, iq3_xxs, iq3_s,
+iq2_xs, iq2_s, iq1_m, tq2_0, tq1_0 from 3) runs a GEMM (native/gemm_*.c) that decodes each weight
+block once per 4 rows (gemm_lanes_*.c: 16 rows, one per zmm lane) and token chunk; it computes every
+output with the row kernels' own integer sums and fp32 steps, so prefill equals decode (T = 1) bit
+for bit. The MoE step takes it per expert, for the experts with that many tokens.
 
 The formats added second (q4_1, q5_0, q5_1, iq4_nl, iq4_xs, the grid i-quants, tq1_0, tq2_0) give the
 same bits on every variant: their SIMD kernels (avx2_iq4.c, avx512_iq4.c, avx2_iq.c, avx512_iq.c,
@@ -31,9 +31,8 @@ lanes (exact mode) and its fp32 steps in its order.
 
 Not yet done (correct, via the compiler-vectorised generic C, but slow, ~1-2 GB/s per core):
 exact mode for q2_k/q3_k/q5_k on every variant and for q8_0, q4_0, mxfp4, q4_k, q6_k on avx2;
-integer mode for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k, for iq2_xs, iq2_s,
-iq3_xxs, iq1_m, or on avx2: there, large T is tiled (weights stay in L2) through
-the row kernels.
+integer mode for q2_k/q3_k/q5_k on avx2. No GEMM for exact mode, for q2_k/q3_k, or on avx2: there,
+large T is tiled (weights stay in L2) through the row kernels.
 """
 
 from __future__ import annotations

@@ -121,11 +121,12 @@ static void rows_tiled(rows_fn fn, const uint8_t *w, size_t rb, int64_t lo, int6
 static int matmul_gemm(int fmt, const gemm_ops *g, const uint8_t *w, int64_t rows, int64_t n, int64_t rb,
                        const float *x, int64_t T, float *y, int nthreads) {
     const int act = FMT[fmt].act;
-    const size_t xb = act_bytes(act, n);
-    const size_t sizes[2] = {xb * (size_t)T, g->size(fmt, T, n)};
-    void *parts[2];
-    if (moerun_scratch_parts(2, sizes, parts)) return -4;
-    char *xq = parts[0], *xl = parts[1];
+    const size_t xb = act_bytes(act, n), work = gemm_work_stride(g->work(fmt, n));
+    nthreads = nthreads > 0 ? nthreads : 1; /* a team has at most this many threads: one work part each */
+    const size_t sizes[3] = {xb * (size_t)T, g->size(fmt, T, n), work * (size_t)nthreads};
+    void *parts[3];
+    if (moerun_scratch_parts(3, sizes, parts)) return -4;
+    char *xq = parts[0], *xl = parts[1], *works = parts[2];
     const int64_t groups = (T + GEMM_TOKENS - 1) / GEMM_TOKENS;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -135,7 +136,7 @@ static int matmul_gemm(int fmt, const gemm_ops *g, const uint8_t *w, int64_t row
 #pragma omp for schedule(static)
         for (int64_t gi = 0; gi < groups; gi++) g->prep(fmt, xq, gi, T, n, xl);
         int64_t lo = rows * tid / nth, hi = rows * (tid + 1) / nth;
-        if (hi > lo) g->run(fmt, w, (size_t)rb, lo, hi, n, xl, T, y, rows);
+        if (hi > lo) g->run(fmt, w, (size_t)rb, lo, hi, n, xl, T, y, rows, works + (size_t)tid * work);
     }
     return 0;
 }

@@ -17,16 +17,24 @@ typedef size_t (*gemm_size_fn)(int fmt, int64_t T, int64_t n);
 /* Fills token group g (tokens 4g .. 4g + 3; those >= T as zeros) of the layout from xq, the
  * matvec's q8 blocks [T][n / block] (q8k_t or q8a_t). */
 typedef void (*gemm_prep_fn)(int fmt, const void *xq, int64_t g, int64_t T, int64_t n, void *xl);
-/* y[t * y_stride + r] for rows [r0, r1) and all T tokens. */
+/* Bytes of one thread's working memory for rows of n elements (its decoded weight rows). The caller
+ * gives each thread its own, 64-byte aligned, carved with the call's other buffers from the scratch
+ * region (common.h), so a run never allocates and cannot fail. */
+typedef size_t (*gemm_work_fn)(int fmt, int64_t n);
+/* y[t * y_stride + r] for rows [r0, r1) and all T tokens; work: gemm_work_fn's bytes. */
 typedef void (*gemm_run_fn)(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n,
-                            const void *xl, int64_t T, float *y, int64_t y_stride);
+                            const void *xl, int64_t T, float *y, int64_t y_stride, void *work);
 
 typedef struct {
     int min_t; /* from this many tokens the GEMM beats the row kernels (measured; speed only) */
     gemm_size_fn size;
     gemm_prep_fn prep;
+    gemm_work_fn work;
     gemm_run_fn run;
 } gemm_ops;
+
+/* A thread's share of working memory in a buffer of `threads` of them: 64-byte multiples. */
+static inline size_t gemm_work_stride(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 /* Per format: the GEMM of this variant, or run == NULL (the row kernels take every T). */
 extern gemm_ops GEMM[F_COUNT];
@@ -34,6 +42,6 @@ void init_gemm_kq_avx512(void); /* q4_k, q5_k */
 void init_gemm_q6k_avx512(void);
 void init_gemm_b32_avx512(void); /* q8_0, q4_0, mxfp4 (both nibble orders) */
 void init_gemm_lanes_b32_avx512(void); /* q4_1, q5_0, q5_1, iq4_nl */
-void init_gemm_lanes_k_avx512(void);   /* iq4_xs, iq3_s, iq2_xxs, iq1_s, tq2_0, tq1_0 */
+void init_gemm_lanes_k_avx512(void);   /* iq4_xs, the grid i-quants, tq2_0, tq1_0 */
 
 #endif

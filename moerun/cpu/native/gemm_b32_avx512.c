@@ -8,8 +8,6 @@
  * (q8_0, mxfp4) meet activations offset to unsigned (x + 128) with the accumulator started at
  * -128 * (the lane's 4 weights): the same exact lane sums as the matvec's sign trick, one
  * instruction fewer per output. */
-#include <stdlib.h>
-
 #include "avx512.h"
 #include "gemm.h"
 
@@ -120,12 +118,17 @@ static inline __attribute__((always_inline)) void b32_tile(int fmt, int R, const
             y[(GT * g + t) * ys + i] = _mm512_reduce_add_ps(pairs ? _mm512_add_ps(acc[i][t], acc2[i][t]) : acc[i][t]);
 }
 
+static int rows_at_once(int fmt) { return x4_kind(fmt) ? 2 : 4; } /* two accumulators per output: half the rows */
+
+static size_t b32_work(int fmt, int64_t n) {
+    return (size_t)(unit_count(fmt, n / 32) * rows_at_once(fmt)) * sizeof(bdec_t);
+}
+
 static void b32_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n, const void *xl,
-                    int64_t T, float *y, int64_t ys) {
-    const int R = x4_kind(fmt) ? 2 : 4; /* two accumulators per output: half the rows in registers */
+                    int64_t T, float *y, int64_t ys, void *work) {
+    const int R = rows_at_once(fmt);
     const int64_t nb = n / 32, nu = unit_count(fmt, nb);
-    bdec_t *D = aligned_alloc(64, (size_t)(nu * R) * sizeof(bdec_t));
-    if (!D) return;
+    bdec_t *D = work; /* [units][R] */
     const int64_t groups = padded(T) / GT;
     int64_t chunk = (512 * 1024 / (int64_t)(nu * sizeof(bx_t) * GT));
     chunk = chunk < 1 ? 1 : chunk;
@@ -145,14 +148,13 @@ static void b32_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1
             }
         }
     }
-    free(D);
 }
 
 void init_gemm_b32_avx512(void) {
-    GEMM[F_Q8_0] = (gemm_ops){4, b32_size, b32_prep, b32_run};
-    GEMM[F_Q4_0] = (gemm_ops){8, b32_size, b32_prep, b32_run};
-    GEMM[F_MXFP4] = (gemm_ops){8, b32_size, b32_prep, b32_run};
-    GEMM[F_MXFP4_OSS] = (gemm_ops){8, b32_size, b32_prep, b32_run};
+    GEMM[F_Q8_0] = (gemm_ops){4, b32_size, b32_prep, b32_work, b32_run};
+    GEMM[F_Q4_0] = (gemm_ops){8, b32_size, b32_prep, b32_work, b32_run};
+    GEMM[F_MXFP4] = (gemm_ops){8, b32_size, b32_prep, b32_work, b32_run};
+    GEMM[F_MXFP4_OSS] = (gemm_ops){8, b32_size, b32_prep, b32_work, b32_run};
 }
 #else
 void init_gemm_b32_avx512(void) {}

@@ -8,8 +8,6 @@
  * steps are repeated here in the same order. What changes is the blocking: 4 rows are decoded
  * once (into the vectors the matvec builds in registers) and run against the tokens 4 at a time,
  * so each decoded chunk feeds 4 tokens and each activation chunk 4 rows. */
-#include <stdlib.h>
-
 #include "avx512.h"
 #include "gemm.h"
 
@@ -161,17 +159,18 @@ static int64_t token_chunk(int64_t nb) {
     return c < GT ? GT : c;
 }
 
+/* The decoded rows [blocks][GR], then their scales dd and mins dm [blocks][GR] each. */
+static size_t kq_work(int fmt, int64_t n) {
+    (void)fmt;
+    return (size_t)(n / 256 * GR) * (sizeof(kdec_t) + 2 * sizeof(float));
+}
+
 static void kq_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n, const void *xl,
-                   int64_t T, float *y, int64_t ys) {
+                   int64_t T, float *y, int64_t ys, void *work) {
     const int64_t nb = n / 256, bytes = fmt == F_Q5_K ? 176 : 144;
     const kx_t x = kx_layout((void *)xl, T, nb);
-    kdec_t *D = aligned_alloc(64, (size_t)(nb * GR) * sizeof(kdec_t));
-    float *dd = malloc((size_t)(nb * GR) * 2 * sizeof(float));
-    if (!D || !dd) { /* never for sane shapes; the driver checks what it can before */
-        free(D), free(dd);
-        return;
-    }
-    float *dm = dd + nb * GR;
+    kdec_t *D = work;
+    float *dd = (float *)(D + nb * GR), *dm = dd + nb * GR;
     const int64_t groups = padded(T) / GT, chunk = token_chunk(nb) / GT;
     for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
         const int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
@@ -186,13 +185,12 @@ static void kq_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1,
             for (int64_t g = g0; g < g1; g++) kq_tile(D, dd, dm, nb, &x, g, T, nr, y + r, ys);
         }
     }
-    free(D), free(dd);
 }
 
 void init_gemm_kq_avx512(void) {
     /* faster than the row kernels from T of about 16 */
-    GEMM[F_Q4_K] = (gemm_ops){16, kq_size, kq_prep, kq_run};
-    GEMM[F_Q5_K] = (gemm_ops){16, kq_size, kq_prep, kq_run};
+    GEMM[F_Q4_K] = (gemm_ops){16, kq_size, kq_prep, kq_work, kq_run};
+    GEMM[F_Q5_K] = (gemm_ops){16, kq_size, kq_prep, kq_work, kq_run};
 }
 #else
 void init_gemm_kq_avx512(void) {}

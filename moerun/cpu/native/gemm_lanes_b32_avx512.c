@@ -94,43 +94,38 @@ static inline __attribute__((always_inline)) void tile16(int fmt, const wdec_t *
     for (int t = 0; t < GT && t < tn; t++) _mm512_mask_storeu_ps(y + t * ys, rows, acc[t]);
 }
 
-static inline __attribute__((always_inline)) void b32s_body(int fmt, const uint8_t *w, size_t rb, int64_t r0,
-                                                            int64_t r1, int64_t n, const void *xl, int64_t T,
-                                                            float *y, int64_t ys) {
-    const int64_t nb = n / 32, groups = padded(T) / GT;
-    wdec_t *D = aligned_alloc(64, (size_t)nb * sizeof(wdec_t));
-    if (!D) return;
-    int64_t chunk = 512 * 1024 / (int64_t)((size_t)nb * sizeof(ax_t));
-    chunk = chunk < 1 ? 1 : chunk;
-    for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
-        const int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
-        for (int64_t r = r0; r < r1; r += ROWS) {
-            const int nr = (int)(r1 - r < ROWS ? r1 - r : ROWS);
-            const uint8_t *rp[ROWS];
-            for (int i = 0; i < ROWS; i++) rp[i] = w + (r + (i < nr ? i : 0)) * rb; /* lanes >= nr: unwritten */
-            for (int64_t b = 0; b < nb; b++) decode16(fmt, rp, b, D + b);
-            for (int64_t g = g0; g < g1; g++)
-                tile16(fmt, D, nb, (const ax_t *)xl + g * nb, T - GT * g, nr, y + GT * g * ys + r, ys);
-        }
-    }
-    free(D);
-}
+/* Each format's decode and tile, compiled for it (the format's branches resolved). */
+#define B32S_FORMAT(name, F)                                                                           \
+    static void name##_decode(const uint8_t *const rp[ROWS], int64_t nb, void *D) {                    \
+        for (int64_t b = 0; b < nb; b++) decode16(F, rp, b, (wdec_t *)D + b);                          \
+    }                                                                                                  \
+    static void name##_tile(const void *D, int64_t nb, const void *x, int64_t tn, int nr, float *y,    \
+                            int64_t ys) {                                                              \
+        tile16(F, D, nb, x, tn, nr, y, ys);                                                            \
+    }                                                                                                  \
+    static const lanes_fmt name##_lanes = {32, sizeof(wdec_t), sizeof(ax_t), name##_decode, name##_tile};
+B32S_FORMAT(q4_1, F_Q4_1)
+B32S_FORMAT(q5_0, F_Q5_0)
+B32S_FORMAT(q5_1, F_Q5_1)
+B32S_FORMAT(iq4_nl, F_IQ4_NL)
+
+static const lanes_fmt *const LANES[F_COUNT] = {
+    [F_Q4_1] = &q4_1_lanes, [F_Q5_0] = &q5_0_lanes, [F_Q5_1] = &q5_1_lanes, [F_IQ4_NL] = &iq4_nl_lanes};
+
+static size_t b32s_work(int fmt, int64_t n) { return lanes_work(LANES[fmt], n); }
 
 static void b32s_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n, const void *xl,
-                     int64_t T, float *y, int64_t ys) {
-    switch (fmt) {
-    case F_Q4_1: b32s_body(F_Q4_1, w, rb, r0, r1, n, xl, T, y, ys); break;
-    case F_Q5_0: b32s_body(F_Q5_0, w, rb, r0, r1, n, xl, T, y, ys); break;
-    case F_Q5_1: b32s_body(F_Q5_1, w, rb, r0, r1, n, xl, T, y, ys); break;
-    default: b32s_body(F_IQ4_NL, w, rb, r0, r1, n, xl, T, y, ys); break;
-    }
+                     int64_t T, float *y, int64_t ys, void *work) {
+    lanes_run(LANES[fmt], w, rb, r0, r1, n, xl, T, y, ys, work);
 }
 
+/* min_t: from this many tokens the GEMM beat the row kernels (measured as gemm_lanes_k_avx512.c's) */
+#define B32S_GEMM(min_t) ((gemm_ops){min_t, b32s_size, b32s_prep, b32s_work, b32s_run})
 void init_gemm_lanes_b32_avx512(void) {
-    GEMM[F_Q4_1] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
-    GEMM[F_Q5_0] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
-    GEMM[F_Q5_1] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
-    GEMM[F_IQ4_NL] = (gemm_ops){2, b32s_size, b32s_prep, b32s_run};
+    GEMM[F_Q4_1] = B32S_GEMM(3);
+    GEMM[F_Q5_0] = B32S_GEMM(2);
+    GEMM[F_Q5_1] = B32S_GEMM(3);
+    GEMM[F_IQ4_NL] = B32S_GEMM(2);
 }
 #else
 void init_gemm_lanes_b32_avx512(void) {}

@@ -5,8 +5,6 @@
  * rows and token chunk), the activations in gemm_prep (once per call). Then each (row, token) block
  * is four chained vpdpbusd started at the activations' -32 * bsums, one conversion and one fp32
  * multiply-add, with 4 rows decoded once against the tokens 4 at a time. */
-#include <stdlib.h>
-
 #include "avx512.h"
 #include "gemm.h"
 
@@ -87,14 +85,18 @@ static int64_t token_chunk(int64_t nb) {
     return c < GT ? GT : c;
 }
 
+static size_t q6_work(int fmt, int64_t n) {
+    (void)fmt;
+    return (size_t)(n / 256 * GR) * sizeof(q6dec_t);
+}
+
 static void q6_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n, const void *xl,
-                   int64_t T, float *y, int64_t ys) {
+                   int64_t T, float *y, int64_t ys, void *work) {
     (void)fmt;
     const int64_t nb = n / 256, Tp = padded(T);
     const q6x_t *x = xl;
     const float *yd = (const float *)(x + Tp * nb);
-    q6dec_t *D = aligned_alloc(64, (size_t)(nb * GR) * sizeof(q6dec_t));
-    if (!D) return; /* never for sane shapes; the driver checks what it can before */
+    q6dec_t *D = work; /* [blocks][GR] */
     const int64_t groups = Tp / GT, chunk = token_chunk(nb) / GT;
     for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
         const int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
@@ -116,10 +118,9 @@ static void q6_run(int fmt, const uint8_t *w, size_t rb, int64_t r0, int64_t r1,
             for (int64_t g = g0; g < g1; g++) q6_tile(D, nb, x, yd, g, T, nr, y + r, ys);
         }
     }
-    free(D);
 }
 
-void init_gemm_q6k_avx512(void) { GEMM[F_Q6_K] = (gemm_ops){2, q6_size, q6_prep, q6_run}; }
+void init_gemm_q6k_avx512(void) { GEMM[F_Q6_K] = (gemm_ops){2, q6_size, q6_prep, q6_work, q6_run}; }
 #else
 void init_gemm_q6k_avx512(void) {}
 #endif

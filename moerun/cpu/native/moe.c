@@ -61,10 +61,10 @@ typedef struct {
  * `col` + r of their output rows. */
 static void rows_of(const proj_t *p, const uint8_t *w, int64_t r0, int64_t r1, int64_t col, int64_t n,
                     int64_t q0, int64_t q1, const int64_t *in_row, const char *const *act_base,
-                    const size_t *act_stride, float *y, int64_t y_stride) {
+                    const size_t *act_stride, float *y, int64_t y_stride, void *work) {
     if (r0 >= r1) return;
     if (p->gemm) {
-        GEMM[p->fmt].run(p->fmt, w, p->rb, r0, r1, n, p->xl, q1 - q0, y + q0 * y_stride + col, y_stride);
+        GEMM[p->fmt].run(p->fmt, w, p->rb, r0, r1, n, p->xl, q1 - q0, y + q0 * y_stride + col, y_stride, work);
         return;
     }
     for (int64_t i0 = q0; i0 < q1; i0 += MAX_T) {
@@ -81,19 +81,19 @@ static void rows_of(const proj_t *p, const uint8_t *w, int64_t r0, int64_t r1, i
 
 /* Rows [lo, hi) of the concatenation of every expert's `rows`-row projection. Expert e's tokens sit
  * at positions off[e] .. off[e + 1] - 1 (the step's slots ordered by expert); position p reads
- * input row in_row[p] of act_base and writes y + p * y_stride. */
+ * input row in_row[p] of act_base and writes y + p * y_stride; work: the thread's GEMM working memory. */
 static void phase_rows(const proj_t *p, int64_t lo, int64_t hi, int64_t rows, int64_t n, const int64_t *off,
                        const int64_t *in_row, const char *const *act_base, const size_t *act_stride,
-                       float *y, int64_t y_stride) {
+                       float *y, int64_t y_stride, void *work) {
     for (int64_t e = lo / rows; e * rows < hi; e++) {
         int64_t r0 = lo > e * rows ? lo - e * rows : 0, r1 = hi < (e + 1) * rows ? hi - e * rows : rows;
         if (off[e + 1] == off[e]) continue;
         const int64_t half = p[e].up ? rows / 2 : rows; /* rows read from w; the rest from up */
         rows_of(&p[e], p[e].w, r0, r1 < half ? r1 : half, 0, n, off[e], off[e + 1], in_row, act_base, act_stride, y,
-                y_stride);
+                y_stride, work);
         if (p[e].up)
             rows_of(&p[e], p[e].up, (r0 > half ? r0 : half) - half, r1 - half, half, n, off[e], off[e + 1], in_row,
-                    act_base, act_stride, y, y_stride);
+                    act_base, act_stride, y, y_stride, work);
     }
 }
 
@@ -120,16 +120,20 @@ static void row_costs(const proj_t *p, const int64_t *off, int64_t E, int64_t *c
 }
 
 /* Sets up the GEMM of each expert's projection that has enough tokens (integer mode, a GEMM for its
- * format): the byte offsets of their rearranged activations in one buffer; returns its size. */
+ * format): the byte offsets of their rearranged activations in one buffer; returns its size. *work:
+ * raised to the most working memory one thread's GEMM of these needs. */
 static size_t plan_gemm(proj_t *p, int64_t E, const int64_t *off, int64_t n, int integer, int allow,
-                        size_t *xl_off) {
+                        size_t *xl_off, size_t *work) {
     size_t total = 0;
     for (int64_t e = 0; e < E; e++) {
         const int f = p[e].fmt;
         const int64_t cnt = off[e + 1] - off[e];
         p[e].gemm = allow && integer && GEMM[f].run && cnt >= GEMM[f].min_t;
         xl_off[e] = total;
-        if (p[e].gemm) total += (GEMM[f].size(f, cnt, n) + 63) / 64 * 64;
+        if (!p[e].gemm) continue;
+        total += (GEMM[f].size(f, cnt, n) + 63) / 64 * 64;
+        const size_t need = gemm_work_stride(GEMM[f].work(f, n));
+        *work = need > *work ? need : *work;
     }
     return total;
 }
@@ -151,6 +155,7 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
     extern void moerun_ensure_init(void);
     moerun_ensure_init();
     const int integer = flags & 1, accumulate = flags & 2, allow_gemm = !(flags & 4);
+    nthreads = nthreads > 0 ? nthreads : 1; /* a team has at most this many threads: one GEMM work part each */
     const int64_t S = T * k, R1 = 2 * I;
     if (E <= 0 || S <= 0 || act_kind < 0 || act_kind > ACT_GPT_OSS) return -1;
     proj_t *gu = calloc((size_t)E, sizeof *gu), *dn = calloc((size_t)E, sizeof *dn);
@@ -212,20 +217,23 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
     float *h = NULL, *a = NULL, *y = NULL;
     char *xq_k = NULL, *xq_0 = NULL, *aq_k = NULL, *aq_0 = NULL;
     char *xl1 = NULL, *xl2 = NULL, *xg = NULL; /* the GEMMs' activations; gathered token rows */
+    char *works = NULL;                        /* each thread's GEMM working memory, `work` bytes apart */
+    size_t work = 0;
     if (!gu || !dn || !off || !pos || !tok || !ident || !expert_at || !xl_off || !cost) err = err ? err : -4;
     if (!err) { /* the large buffers, carved from the thread's scratch (reused call to call) */
-        size_t n1 = plan_gemm(gu, E, off, H, integer, allow_gemm, xl_off);
-        size_t n2 = plan_gemm(dn, E, off, I, integer, allow_gemm, xl_off + E);
+        size_t n1 = plan_gemm(gu, E, off, H, integer, allow_gemm, xl_off, &work);
+        size_t n2 = plan_gemm(dn, E, off, I, integer, allow_gemm, xl_off + E, &work);
         row_costs(gu, off, E, cost);
         row_costs(dn, off, E, cost + E + 1);
         const size_t sizes[] = {P1 * (size_t)R1 * sizeof(float), P1 * (size_t)I * sizeof(float),
                                 P1 * (size_t)H * sizeof(float), need[0][ACT_Q8_K] ? xk * (size_t)T : 0,
                                 need[0][ACT_Q8_0] ? x0 * (size_t)T : 0, need[1][ACT_Q8_K] ? ak * P1 : 0,
-                                need[1][ACT_Q8_0] ? a0 * P1 : 0, n1, n2, n1 ? (xk > x0 ? xk : x0) * P1 : 0};
-        void *parts[10];
-        err = moerun_scratch_parts(10, sizes, parts);
+                                need[1][ACT_Q8_0] ? a0 * P1 : 0, n1, n2, n1 ? (xk > x0 ? xk : x0) * P1 : 0,
+                                work * (size_t)nthreads};
+        void *parts[11];
+        err = moerun_scratch_parts(11, sizes, parts);
         h = parts[0], a = parts[1], y = parts[2], xq_k = parts[3], xq_0 = parts[4];
-        aq_k = parts[5], aq_0 = parts[6], xl1 = parts[7], xl2 = parts[8], xg = parts[9];
+        aq_k = parts[5], aq_0 = parts[6], xl1 = parts[7], xl2 = parts[8], xg = parts[9], works = parts[10];
         for (int64_t e = 0; e < E && !err; e++) {
             gu[e].xl = gu[e].gemm ? xl1 + xl_off[e] : NULL;
             dn[e].xl = dn[e].gemm ? xl2 + xl_off[E + e] : NULL;
@@ -238,6 +246,7 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
 #pragma omp parallel num_threads(nthreads)
         {
             int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+            void *mine = works ? works + (size_t)tid * work : NULL;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 if (xq_k) quantize_q8k(x + t * H, H, (q8k_t *)(xq_k + t * xk));
@@ -258,7 +267,7 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
             }
             const int64_t *cg = cost, *cd = cost + E + 1;
             phase_rows(gu, work_row(cg[E] * R1 * tid / nth, R1, cg, E), work_row(cg[E] * R1 * (tid + 1) / nth, R1, cg, E),
-                       R1, H, off, tok, xb, xst, h, R1);
+                       R1, H, off, tok, xb, xst, h, R1, mine);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int64_t q = 0; q < P; q++) {
@@ -279,7 +288,7 @@ int moerun_moe_decode(int64_t E, const int64_t *table, const int32_t *fmts, int6
                 }
             }
             phase_rows(dn, work_row(cd[E] * H * tid / nth, H, cd, E), work_row(cd[E] * H * (tid + 1) / nth, H, cd, E), H,
-                       I, off, ident, ab, ast, y, H);
+                       I, off, ident, ab, ast, y, H, mine);
 #pragma omp barrier
             int64_t c0 = H * tid / nth, c1 = H * (tid + 1) / nth;
             for (int64_t t = 0; t < T; t++) {

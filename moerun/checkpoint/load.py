@@ -25,7 +25,7 @@ from moerun.families import family
 from moerun.families.fields import CheckedConfig
 from moerun.loader import GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.loader.hf_config import read_hf_config
-from moerun.loader.mapped import MappedFile, read_ahead
+from moerun.loader.mapped import MappedFile
 from moerun.model import MoEModel
 from moerun.moe.backends import ActivationMode, make_backend
 from moerun.moe.layer import FP32_TENSORS
@@ -208,9 +208,6 @@ def load(
     in_place = device.type == "cpu" and backend.reads_gate_up_halves  # its kernels check the experts
     config, tensors, files = opened.tensors(dtype, streamed, expert_parallel or None, in_place)
     expert_cache = None
-    if not streamed and device.type == "cpu":  # weights used from the map: read ahead, not on first touch
-        for file in files:
-            read_ahead(file.data)
     if streamed:
         try:
             expert_cache = _expert_cache(

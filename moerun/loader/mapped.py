@@ -59,7 +59,7 @@ def _madvise():
 
 
 _MADVISE = _madvise() if sys.platform.startswith("linux") else None
-_MADV_WILLNEED, _MADV_DONTNEED = 3, 4
+_MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
 
 
@@ -70,16 +70,6 @@ def release_pages(data: torch.Tensor, begin: int, end: int) -> None:
     something still uses after writing to them: a private page written to is discarded too."""
     if data.numel():
         _release_range(data.data_ptr() + begin, data.data_ptr() + end)
-
-
-def read_ahead(data: torch.Tensor) -> None:
-    """Ask the OS to read a whole mapped file (`map_file`'s tensor) into its page cache in the
-    background (madvise WILLNEED): a resident model whose weights stay in the map then finds them in
-    memory as it first touches them, instead of faulting each from the disk. Returns at once."""
-    if _MADVISE is None or not data.numel() or data.data_ptr() not in _LIVE_MAPS:
-        return
-    first = data.data_ptr() // _PAGE * _PAGE
-    _MADVISE(first, data.data_ptr() + data.numel() - first, _MADV_WILLNEED)
 
 
 def release_mapped(view: torch.Tensor) -> None:

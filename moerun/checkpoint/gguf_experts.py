@@ -15,7 +15,7 @@ from moerun.loader.mapped import release_mapped
 from moerun.offload.pieces import ExpertPieces, Piece
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
-from moerun.quant.halves import GateUpHalves
+from moerun.quant.halves import GateUpHalves, join_halves
 
 Tensor = torch.Tensor | QTensor
 
@@ -178,23 +178,15 @@ def fuse(gguf: GGUFFile, parts: GateUp, share=None) -> Tensor | GateUpHalves:
     if parts.expert and not names[0].endswith(".bias"):
         return GateUpHalves(gate, up, interleave)
     if isinstance(gate, QTensor):
-        data = _join(gate.data, up.data, dim=-2, interleave=interleave)
+        data = join_halves(gate.data, up.data, interleave)
         fused = QTensor(gate.format, (*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1]), data)
     else:
         if gate.dtype != up.dtype:
             gate, up = gate.float(), up.float()
-        fused = _join(gate, up, dim=-1 if names[0].endswith(".bias") else -2, interleave=interleave)
+        fused = join_halves(gate, up, interleave, dim=-1 if names[0].endswith(".bias") else -2)
     for name in names:  # copied out: give back the mapped pages, so the file is not held twice
         gguf.release(name)
     return fused
-
-
-def _join(gate: torch.Tensor, up: torch.Tensor, dim: int, interleave: bool) -> torch.Tensor:
-    """Join along the row dim (-2 for weights, -1 for biases)."""
-    if not interleave:
-        return torch.cat([gate, up], dim=dim)
-    pairs = torch.stack([gate, up], dim=dim)  # [.., I, 2, in] or [.., I, 2]
-    return pairs.flatten(dim - 1, dim)
 
 
 def interleave_halves(t: Tensor, dim: int) -> Tensor:

@@ -262,6 +262,12 @@ def moe_decode_table(
     return out
 
 
+def gate_then_up(bias: torch.Tensor) -> torch.Tensor:
+    """Interleaved gate_up biases [.., 2I] (gate j at 2j, up j at 2j + 1, GPT-OSS's) in the order the
+    MoE step adds them: gate's [.., I] then up's."""
+    return bias.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
 def moe_decode(
     x: torch.Tensor,
     gate_up: Sequence[Weight],
@@ -308,7 +314,7 @@ def moe_decode(
             ):
                 raise FormatError(f"moe_decode: expert {e}'s bias must be contiguous float32 [{size}].")
             if bias is not None and size == 2 * inter and act.interleaved:  # the kernel's order
-                bias = bias.reshape(inter, 2).t().contiguous()
+                bias = gate_then_up(bias).contiguous()
                 kept.append(bias)
             expert_biases.append(0 if bias is None else bias.data_ptr())
         rb = gd.stride(0) * gd.element_size()

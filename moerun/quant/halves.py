@@ -68,24 +68,20 @@ class GateUpHalves:
 
     def expert(self, e: int) -> Weight:
         """Expert e's joined [2I, H] (a copy)."""
-        if self.quantised:
-            data = _join(self.gate.data[e], self.up.data[e], self.interleaved)
-            return QTensor(self.format, self.shape[1:], data)
-        return _join(self.gate[e], self.up[e], self.interleaved)
+        data = join_halves(_data(self.gate)[e], _data(self.up)[e], self.interleaved)
+        return QTensor(self.format, self.shape[1:], data) if self.quantised else data
 
     def joined(self) -> Weight:
         """The whole joined [E, 2I, H] (a copy)."""
-        if self.quantised:
-            return QTensor(self.format, self.shape, _join(self.gate.data, self.up.data, self.interleaved))
-        return _join(self.gate, self.up, self.interleaved)
+        data = join_halves(_data(self.gate), _data(self.up), self.interleaved)
+        return QTensor(self.format, self.shape, data) if self.quantised else data
 
     def stand_in(self) -> Weight:
         """Storage-free (device "meta") stand-in of the joined weight, for checks that read shapes."""
-        if self.quantised:
-            return QTensor(
-                self.format, self.shape, _join(*(storage_free(t).data for t in (self.gate, self.up)), False)
-            )
-        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+        if not self.quantised:
+            return torch.empty(self.shape, dtype=self.dtype, device="meta")
+        data = join_halves(storage_free(self.gate).data, storage_free(self.up).data, False)
+        return QTensor(self.format, self.shape, data)
 
 
 def _data(t: Weight) -> torch.Tensor:
@@ -98,8 +94,9 @@ def _cut(t: Weight, start: int, stop: int) -> Weight:
     return t[start:stop]
 
 
-def _join(gate: torch.Tensor, up: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """[.., I, cols] twice -> [.., 2I, cols]: gate rows then up rows, or alternating."""
+def join_halves(gate: torch.Tensor, up: torch.Tensor, interleaved: bool, dim: int = -2) -> torch.Tensor:
+    """Two halves joined along `dim` (-2: the rows of weights [.., I, cols] -> [.., 2I, cols]; -1:
+    biases [.., I] -> [.., 2I]): gate's then up's, or alternating (gate j at 2j, up j at 2j + 1)."""
     if not interleaved:
-        return torch.cat([gate, up], dim=-2)
-    return torch.stack([gate, up], dim=-2).flatten(-3, -2)
+        return torch.cat([gate, up], dim=dim)
+    return torch.stack([gate, up], dim=dim).flatten(dim - 1, dim)  # via [.., I, 2, cols] or [.., I, 2]

@@ -81,7 +81,7 @@ class _Table:
         # the kernels add fp32 biases, gate's then up's; kept here, as the columns point into them
         gate_up_bias, down_bias = experts.gate_up_bias, experts.down_bias
         if gate_up_bias is not None and interleaved:
-            gate_up_bias = gate_up_bias.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+            gate_up_bias = cpu.gate_then_up(gate_up_bias)
         self._biases = [None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias)]
         gub, dnb = (_Column.of(b) for b in self._biases)  # indexed by expert
         places, E = down[1].shape[0], experts.gate_up.shape[0]

@@ -165,3 +165,20 @@ def load_gpt_oss_mxfp4_with_transformers(directory: Path):
         dtype=torch.float32,
         attn_implementation="eager",
     ).eval()
+
+
+def chatml_checkpoint(directory: Path) -> Path:
+    """A tiny qwen3_moe checkpoint in `directory` with a trained byte-level tokenizer and a ChatML
+    template (what the chat and server tests load)."""
+    from tiny_tokenizers import CHATML, byte_level_tokenizer, save_hf_dir
+
+    tok = byte_level_tokenizer("qwen2")
+    save_hf_dir(
+        tok,
+        directory,
+        tokenizer_class="PreTrainedTokenizerFast",
+        eos_token="<|im_end|>",
+        chat_template=CHATML,
+    )
+    save_model(make_model("qwen3_moe", vocab_size=tok.get_vocab_size()), directory)
+    return directory

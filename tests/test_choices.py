@@ -6,20 +6,14 @@ import json
 
 import pytest
 import torch
-from hf_models import make_model, save_model
-from tiny_tokenizers import CHATML, byte_level_tokenizer, save_hf_dir
+from hf_models import chatml_checkpoint
 
 import moerun
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("choices")
-    tok = byte_level_tokenizer("qwen2")
-    save_hf_dir(
-        tok, path, tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>", chat_template=CHATML
-    )
-    save_model(make_model("qwen3_moe", vocab_size=tok.get_vocab_size()), path)
+    path = chatml_checkpoint(tmp_path_factory.mktemp("choices"))
     return moerun.load(path, dtype=torch.float32)
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from hf_models import make_model, save_model
-from tiny_tokenizers import CHATML, byte_level_tokenizer, save_hf_dir
+from hf_models import chatml_checkpoint, make_model, save_model
+from tiny_tokenizers import byte_level_tokenizer, save_hf_dir
 
 import moerun
 from moerun.cli.chat import run_chat
@@ -16,13 +16,7 @@ from moerun.text import ChatTemplateError
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chatml")
-    tok = byte_level_tokenizer("qwen2")
-    save_hf_dir(
-        tok, path, tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>", chat_template=CHATML
-    )
-    save_model(make_model("qwen3_moe", vocab_size=tok.get_vocab_size()), path)
-    return path
+    return chatml_checkpoint(tmp_path_factory.mktemp("chatml"))
 
 
 def _generate(checkpoint, capsys, *extra, expect=0):

@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 import torch
-from hf_models import make_model, save_model
-from tiny_tokenizers import CHATML, byte_level_tokenizer, save_hf_dir
+from hf_models import chatml_checkpoint
 
 import moerun
 
@@ -24,13 +23,7 @@ from moerun.serve.server import start  # noqa: E402
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("served")
-    tok = byte_level_tokenizer("qwen2")
-    save_hf_dir(
-        tok, path, tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>", chat_template=CHATML
-    )
-    save_model(make_model("qwen3_moe", vocab_size=tok.get_vocab_size()), path)
-    return path
+    return chatml_checkpoint(tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module")

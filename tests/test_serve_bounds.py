@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 import torch
-from hf_models import make_model, save_model
-from tiny_tokenizers import CHATML, VARIANTS, byte_level_tokenizer, random_text, save_hf_dir
+from hf_models import chatml_checkpoint
+from tiny_tokenizers import VARIANTS, random_text, save_hf_dir
 
 import moerun
 from moerun.cli.main import main
@@ -29,13 +29,7 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bounded")
-    tok = byte_level_tokenizer("qwen2")
-    save_hf_dir(
-        tok, path, tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>", chat_template=CHATML
-    )
-    save_model(make_model("qwen3_moe", vocab_size=tok.get_vocab_size()), path)
-    return path
+    return chatml_checkpoint(tmp_path_factory.mktemp("bounded"))
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 import torch
-from hf_models import make_model, save_model
-from tiny_tokenizers import CHATML, byte_level_tokenizer, save_hf_dir
+from hf_models import chatml_checkpoint
 
 import moerun
 from moerun import Grammar, GrammarError
@@ -67,13 +66,7 @@ def schema_format(schema: dict, name: str = "s") -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("structured")
-    tok = byte_level_tokenizer("qwen2")
-    save_hf_dir(
-        tok, path, tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>", chat_template=CHATML
-    )
-    save_model(make_model("qwen3_moe", vocab_size=tok.get_vocab_size()), path)
-    return path
+    return chatml_checkpoint(tmp_path_factory.mktemp("structured"))
 
 
 @pytest.fixture(scope="module")

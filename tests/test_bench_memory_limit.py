@@ -21,7 +21,8 @@ from moerun.benchmarks.procfs import RssSampler, read_io, read_status
 from moerun.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from make_peer_gguf import PeerShape, write_f16_gguf  # noqa: E402
+from make_peer_gguf import write_f16_gguf  # noqa: E402
+from test_bench_peer import TINY  # noqa: E402
 
 MiB = 2**20
 
@@ -165,19 +166,6 @@ def test_figures_from_a_runs_events():
     assert memory_limit._status(events[:2], -9, False, 60, 0) == "killed (SIGKILL) while prefilling"
     assert memory_limit._status(events, 0, False, 60, 0) == "failed while decoding (exit status 0)"
     assert memory_limit._status([*events, {"event": "done"}], 0, False, 60, 0) == "ok"
-
-
-TINY = PeerShape(
-    hidden=64,
-    expert_intermediate=32,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    experts=8,
-    top_k=2,
-    layers=2,
-    vocab=300,
-)
 
 
 @pytest.mark.parametrize("peer", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["alone", "peer"])

@@ -18,7 +18,7 @@ from hf_models import chatml_checkpoint
 import moerun
 
 openai = pytest.importorskip("openai")
-from moerun.serve.server import start  # noqa: E402
+from moerun.serve.server import OFF_LOOP_THREADS, start  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +170,15 @@ def test_a_client_gone_mid_stream_frees_its_slot(server):
     assert scheduler.counters.cancelled == cancelled + 1
 
 
+def _threads() -> tuple[int, int]:
+    """(threads other than the server's fixed off-loop pool, threads of that pool)"""
+    names = [t.name for t in threading.enumerate()]
+    pool = sum(name.startswith("moerun-off-loop") for name in names)
+    return len(names) - pool, pool
+
+
 def test_a_bounded_load_run_completes_with_nothing_leaked(server, client):
-    threads = threading.active_count()
+    threads, _ = _threads()
     scheduler = server.state.scheduler
     before = scheduler.counters.finished
 
@@ -184,7 +191,9 @@ def test_a_bounded_load_run_completes_with_nothing_leaked(server, client):
         replies = list(pool.map(ask, range(64)))
     assert all(r.choices[0].finish_reason in ("length", "stop") for r in replies)
     assert scheduler.counters.finished - before == 64
-    assert _wait_idle(scheduler) and threading.active_count() <= threads + 1
+    assert _wait_idle(scheduler)
+    others, pool = _threads()
+    assert others <= threads + 1 and 1 <= pool <= OFF_LOOP_THREADS
 
 
 def test_a_conversations_next_turn_reuses_its_prefix(client, reference):

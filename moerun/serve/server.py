@@ -10,6 +10,7 @@ response: a 503), and the server exits. A second Ctrl-C exits at once (uvicorn's
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import threading
 import time
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 from moerun.serve.app import ServerState, build_app
 from moerun.serve.scheduler import Scheduler
+
+OFF_LOOP_THREADS = 2  # threads that parse, render and tokenise off the event loop
 
 
 def _uvicorn():
@@ -47,9 +50,16 @@ class ServeSettings:
 def _server(uvicorn, app, state: ServerState, drain_s: float, **config):
     """A uvicorn server whose shutdown gives the running requests `drain_s` seconds, then ends them
     through the scheduler (uvicorn's own graceful timeout, a little later, only backs this up: it
-    cancels a request's task, which cuts its connection without a word)."""
+    cancels a request's task, which cuts its connection without a word). The work the routes move off
+    the event loop (`asyncio.to_thread`) runs on OFF_LOOP_THREADS threads, so a burst of requests
+    leaves that many behind, not asyncio's default of up to 32."""
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            pool = concurrent.futures.ThreadPoolExecutor(OFF_LOOP_THREADS, "moerun-off-loop")
+            asyncio.get_running_loop().set_default_executor(pool)  # asyncio.run shuts it down at the end
+            await super().startup(sockets)
+
         async def shutdown(self, sockets=None) -> None:
             def end_requests() -> None:
                 if state.scheduler is not None:

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
+
+from moerun.benchmarks.vocabulary import synthetic_vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -63,42 +64,6 @@ KEYWORDS = {
     "propertyNames": {"type": "object", "propertyNames": {"pattern": "^a"}},
     "format: nonsense": {"type": "string", "format": "nonsense"},
 }
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-
-def synthetic_vocab(size: int, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE vocabulary of `size` ids shaped like Qwen's: the 256 byte tokens, then words
-    with and without a leading space, digit runs, punctuation runs and CJK characters."""
-    rng = random.Random(seed)
-    visible = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    byte_char = {b: chr(b) for b in visible}
-    byte_char.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in byte_char)})
-
-    def spell(text: str) -> str:
-        return "".join(byte_char[b] for b in text.encode())
-
-    vocab = {byte_char[b]: i for i, b in enumerate(range(256))}
-    letters, punct = "etaoinshrdlcumwfgypbvkjxqz", list("{}[]()\":,.;!?-_=+*/\\'<>#@$%^&|~` \n")
-    while len(vocab) < size - len(SPECIALS):
-        r = rng.random()
-        if r < 0.55:
-            text = " " + "".join(rng.choice(letters) for _ in range(rng.randint(1, 10)))
-        elif r < 0.8:
-            text = "".join(rng.choice(letters) for _ in range(rng.randint(2, 10)))
-        elif r < 0.85:
-            text = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 3)))
-        elif r < 0.93:
-            text = "".join(rng.choice(punct) for _ in range(rng.randint(1, 4)))
-        else:
-            text = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(rng.randint(1, 2)))
-        vocab.setdefault(spell(text), len(vocab))
-    for s in SPECIALS:
-        vocab[s] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
-    return tok
 
 
 def walk(llg, vocab, grammar: str, text: bytes, width: int) -> list[int]:

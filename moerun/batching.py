@@ -328,6 +328,9 @@ class Batch:
     def __init__(self, model: Decoder):
         self.model = model
         self.running: list[Generation] = []
+        # seconds the steps spent on grammars beyond the forward pass: starting the masks, waiting
+        # for them after it, applying them, and each matcher taking its token
+        self.grammar_s = 0.0
 
     def add(self, request: Request, prefix: tuple[KVCache, list[int]] | None = None) -> Generation:
         """Start `request` (joining at the next step) -> its first choice (`.choices`: all of them);
@@ -375,7 +378,9 @@ class Batch:
         # the sequences that pick a token this step: those whose input reaches the end of `seen`
         ready_at = [i for i, s in enumerate(stepping) if s.cache.length + len(inputs[i]) == len(s.seen)]
         ready = [stepping[i] for i in ready_at]
+        started = time.perf_counter()
         masks = self._start_masks(ready)  # the grammars' masks, computed while the model runs
+        grammar_s = time.perf_counter() - started if masks is not None else 0.0
         hidden = self.model.forward_sequences(inputs, [s.cache for s in stepping])  # [S, H]
         out = []
         if ready:
@@ -383,7 +388,12 @@ class Batch:
                 logits = self.model.hidden_logits(hidden[0]).unsqueeze(0)  # [1, V] fp32
             else:
                 logits = self.model.hidden_logits(hidden[torch.tensor(ready_at)])  # [S', V] fp32
-            logits = self._masked(logits, ready, masks)
+            if masks is not None:
+                masked = time.perf_counter()
+                logits = self._masked(logits, ready, masks)
+                grammar_s += time.perf_counter() - masked
+            matchers = [s.matcher for s in ready if s.matcher is not None]
+            advanced = sum(m.seconds for m in matchers)
             # the greedy sequences' tokens from one argmax call (each row's the same as its own)
             greedy = [s.argmax_only for s in ready]
             argmaxes = logits.argmax(dim=-1).tolist() if any(greedy) else None
@@ -393,6 +403,8 @@ class Batch:
                     forks = s.start_forks(logits[j])
                     out += forks
                     self.running += [f for f, _ in forks if not f.finished]
+            grammar_s += sum(m.seconds for m in matchers) - advanced
+        self.grammar_s += grammar_s
         elapsed = time.perf_counter() - start
         for s, was_decoding in zip(stepping, decoded, strict=True):
             s.stats["decode_s" if was_decoding else "prefill_s"] += elapsed

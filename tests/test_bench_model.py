@@ -180,6 +180,36 @@ def test_serve_bench_streams_every_token_asked_for():
     assert "TTFT" in format_serve_table(r)
 
 
+def test_serve_bench_under_a_json_schema_gives_the_grammars_share():
+    """`moerun bench --serve --json-schema`: each number of clients free, then under the schema; the
+    constrained requests end where the schema's JSON is complete, and only those rows give a
+    grammar share."""
+    pytest.importorskip("llguidance")
+    from moerun.benchmarks.serve import format_serve_table, run_serve_bench
+    from moerun.benchmarks.vocabulary import SPECIALS
+
+    schema = {"type": "object", "properties": {"c": {"enum": ["r", "g"]}}, "required": ["c"]}
+    schema["additionalProperties"] = False
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": schema}}
+    settings = BenchSettings(dtype="fp32", decode_steps=40)
+    shape = {**TINY_OLMOE, "vocab_size": 512, "eos_token_id": 512 - len(SPECIALS)}  # <|endoftext|>
+    r = run_serve_bench(
+        settings, layers=1, clients=(1, 2), requests_per_client=1, shape=shape, response_format=fmt
+    )
+    rows = r["rows"]
+    assert [(row["clients"], row["constrained"]) for row in rows] == [
+        (1, False),
+        (1, True),
+        (2, False),
+        (2, True),
+    ]
+    assert all(row["requests"] <= row["tokens"] <= 40 * row["requests"] for row in rows)
+    # under the schema the ten characters of {"c": "r"} take at most ten tokens, then the end id
+    assert all(row["tokens"] <= 11 * row["requests"] for row in rows if row["constrained"])
+    assert all(0 < row["grammar_share"] < 1 for row in rows if row["constrained"])
+    assert "schema" in format_serve_table(r)
+
+
 def test_model_bench_on_a_tiny_deepseek_shape():
     """`moerun bench --model --generated deepseek-v2-lite` on tiny shapes: both contenders agree, and
     the KV bytes per token are the latent and rotary key's, counted here from the config."""

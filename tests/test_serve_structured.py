@@ -98,6 +98,21 @@ def test_eight_concurrent_schema_requests_each_validate(client, jsonschema, serv
     assert len({text for text, _ in replies}) > 1
 
 
+def _metric(server, name: str) -> float:
+    lines = httpx.get(server.base + "/metrics", timeout=30).text.splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith(f"moerun_{name} ")))
+
+
+def test_the_grammars_seconds_are_counted_within_the_step_seconds(client, server):
+    grammar, steps = _metric(server, "grammar_seconds_total"), _metric(server, "step_seconds_total")
+    _ask(client, seed=7)
+    spent = _metric(server, "grammar_seconds_total") - grammar
+    assert 0 < spent < _metric(server, "step_seconds_total") - steps
+    # free: the grammar's seconds stay where they were
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=7)
+    assert _metric(server, "grammar_seconds_total") - grammar == pytest.approx(spent, abs=1e-6)
+
+
 def test_completions_take_a_response_format_too(server, jsonschema):
     body = {"prompt": "x", "max_tokens": BUDGET, "temperature": 1, "seed": 5, "response_format": FORMAT}
     reply = httpx.post(server.url + "/completions", json=body, timeout=120).json()

@@ -19,6 +19,7 @@ from moerun.cli.common import (
     check_memory_argument,
     check_threads,
     expert_parallel,
+    json_schema_format,
     resolve_device,
     use_threads,
 )
@@ -130,6 +131,12 @@ def _add_model_flags(bench: argparse.ArgumentParser) -> None:
         "generated OLMoE-shaped model",
     )
     bench.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="with --serve: each number of clients again with every request under this JSON schema "
+        "(needs moerun[structured]); the table gives the grammar's share of the step time",
+    )
+    bench.add_argument(
         "--expert-parallel",
         action="store_true",
         help="under torchrun: the model's experts spread over the ranks (on by itself when WORLD_SIZE > 1); "
@@ -239,7 +246,9 @@ def _serve(args: argparse.Namespace, settings: BenchSettings) -> Figures:
     from moerun.benchmarks.serve import format_serve_table, run_serve_bench
 
     clients = _sizes(args.serve, "--serve")
-    return run_serve_bench(settings=settings, layers=args.layers or 2, clients=clients), format_serve_table
+    fmt = json_schema_format(args.json_schema) if args.json_schema is not None else None
+    result = run_serve_bench(settings=settings, layers=args.layers or 2, clients=clients, response_format=fmt)
+    return result, format_serve_table
 
 
 def _batch(args: argparse.Namespace, settings: BenchSettings) -> Figures:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -196,6 +198,18 @@ def read_text(path: str, flag: str = "--file") -> str:
             return f.read()
     except UnicodeDecodeError:
         raise ValueError(f"{flag} {path}: not UTF-8 text.") from None
+
+
+def json_schema_format(path: str) -> dict:
+    """--json-schema FILE -> the OpenAI `response_format` asking for JSON valid under it."""
+    text = read_text(path, "--json-schema")
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--json-schema {path}: not JSON ({e}).") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a JSON schema is an object.")
+    return {"type": "json_schema", "json_schema": {"name": Path(path).stem, "schema": schema}}
 
 
 def resolve_device(name: str | None) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import TextIO
 
 import moerun
@@ -17,6 +16,7 @@ from moerun.cli.common import (
     add_model_arguments,
     context_size,
     generation_options,
+    json_schema_format,
     load_with_progress,
     read_text,
     serve_experts_for_rank_0,
@@ -103,15 +103,7 @@ def _check_arguments(args: argparse.Namespace, err: TextIO) -> dict:
 def response_format(args: argparse.Namespace):
     """--json-schema FILE or --grammar FILE -> model.generate's `response_format` (None: neither)."""
     if args.json_schema is not None:
-        text = read_text(args.json_schema, "--json-schema")
-        try:
-            schema = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"--json-schema {args.json_schema}: not JSON ({e}).") from None
-        if not isinstance(schema, dict):
-            raise ValueError(f"--json-schema {args.json_schema}: a JSON schema is an object.")
-        spec = {"name": Path(args.json_schema).stem, "schema": schema}
-        return {"type": "json_schema", "json_schema": spec}
+        return json_schema_format(args.json_schema)
     if args.grammar is not None:
         return moerun.Grammar.text(read_text(args.grammar, "--grammar"), f"--grammar {args.grammar}")
     return None

@@ -511,6 +511,12 @@ def _metrics(state: ServerState) -> str:
         metric("generation_tokens_total", "counter", "Tokens generated.", c.generated_tokens)
         metric("steps_total", "counter", "Forward passes over the running batch.", c.steps)
         metric("step_seconds_total", "counter", "Seconds spent in those passes.", round(c.step_s, 6))
+        metric(
+            "grammar_seconds_total",
+            "counter",
+            "Of those, seconds spent on structured output's token masks.",
+            round(c.grammar_s, 6),
+        )
         metric("queue_length", "gauge", "Requests waiting for a slot.", s.waiting)
         metric("batch_size", "gauge", "Requests running.", s.running)
         metric(

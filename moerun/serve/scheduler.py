@@ -61,6 +61,7 @@ class Counters:
     generated_tokens: int = 0
     steps: int = 0
     step_s: float = 0.0
+    grammar_s: float = 0.0  # of step_s, the grammars' part (moerun.batching.Batch.grammar_s)
     # the last few steps' (new tokens, seconds), for a current rate
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
 
@@ -197,18 +198,18 @@ class Scheduler:
                     job.sink(("error", message))
             return
         seconds = time.perf_counter() - start
+        # counted before the tokens go out: a client that has its reply finds them in the metrics
+        c, new = self.counters, len(released)
+        c.steps, c.step_s, c.generated_tokens = c.steps + 1, c.step_s + seconds, c.generated_tokens + new
+        c.grammar_s = self.batch.grammar_s
+        c.recent.append((new, seconds))
         by_generation = {id(choice): job for job in self._running for choice in job.generation.choices}
-        new = 0
         for generation, tokens in released:
             job = by_generation[id(generation)]
-            new += 1
             if tokens and not job.cancelled:
                 if job.first_token_s is None:
                     job.first_token_s = time.perf_counter() - job.submitted
                 job.sink(("tokens", (generation.index, tokens)))
-        c = self.counters
-        c.steps, c.step_s, c.generated_tokens = c.steps + 1, c.step_s + seconds, c.generated_tokens + new
-        c.recent.append((new, seconds))
         with self._wake:
             for job in [j for j in self._running if _finished(j)]:
                 self._running.remove(job)

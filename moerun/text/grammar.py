@@ -24,6 +24,7 @@ import contextlib
 import json
 import re
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -212,12 +213,16 @@ class Matcher:
 
     def __init__(self, state, source: str):
         self.state, self.source = state, source
+        self.seconds = 0.0  # spent in advance, for the batch's account of the grammar's cost
 
     def advance(self, token_id: int) -> None:
         """Take the token picked (one the mask allowed); GrammarError if the engine refuses it all
         the same (a grammar that spells a special token as text, e.g. "<|im_end|>" where Lark's
         <|im_end|> is meant, gets such a mask)."""
-        if not self.state.consume_token(int(token_id)):
+        start = time.perf_counter()
+        taken = self.state.consume_token(int(token_id))
+        self.seconds += time.perf_counter() - start
+        if not taken:
             error = _short(self.state.get_error().splitlines()[0] if self.state.get_error() else "")
             raise GrammarError(f"{self.source} broke down at token {token_id}: {error}")
 

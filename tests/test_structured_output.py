@@ -207,11 +207,33 @@ def _run(model, requests) -> list[list[int]]:
     return [ids[id(s)] for s in sequences]
 
 
-def test_a_grammar_the_engine_breaks_down_on_ends_only_its_own_sequence(model):
-    """A special token's text spelled as a literal makes llguidance allow that token and then refuse
-    it: that sequence ends with finish_reason "error" (generate raises GrammarError), the others in
-    the batch go on as if alone."""
-    broken = Grammar.text('start: "<|im_start|>" "x"')
+def test_a_literal_spelling_a_special_token_is_written_as_text(model):
+    """A grammar or schema whose text spells a special token ("<|im_end|>", the end id's) gets that
+    text from ordinary tokens: the special ids never come (the end id would cut the JSON short, and
+    the engine would refuse <|im_start|>'s id as not being the text)."""
+    special = {model.tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
+    cases = [
+        (Grammar.text('start: "<|im_start|>" "x"'), "<|im_start|>x"),
+        (schema_format({"const": "<|im_end|>"}), '"<|im_end|>"'),
+        (schema_format({"type": "string", "pattern": "^<\\|im_end\\|>!$"}), '"<|im_end|>!"'),
+    ]
+    for fmt, text in cases:
+        for seed in range(2):
+            tokens = list(model.generate("hi", 30, temperature=1.0, seed=seed, response_format=fmt))
+            assert _text(tokens) == text and model.stats()["finish_reason"] == "stop"
+            assert not special & {t.id for t in tokens}
+
+
+def test_a_grammar_that_breaks_down_ends_only_its_own_sequence(model, monkeypatch):
+    """Where the engine refuses a token its own mask allowed, that sequence ends with finish_reason
+    "error" (generate raises GrammarError), and the others in the batch go on as if alone."""
+    from moerun.text.grammar import Matcher
+
+    def refuse(self, token_id):
+        raise GrammarError(f"{self.source} broke down at token {token_id}: refused")
+
+    monkeypatch.setattr(Matcher, "advance", refuse)
+    broken = Grammar.text('start: "yes" | "no"')
     with pytest.raises(GrammarError, match="broke down at token"):
         list(model.generate("hi", 6, response_format=broken))
     batch = Batch(model)

@@ -309,17 +309,45 @@ def _engine_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int,
         if key not in built:
             if not eos_ids:
                 raise GrammarError(f"{tokenizer.source} names no end-of-sequence token to end a grammar.")
+            n_vocab = max(vocab_size, tokenizer.vocab_size)
             try:
-                built[key] = llg.LLTokenizer(
-                    tokenizer.backend.to_str(),
-                    n_vocab=max(vocab_size, tokenizer.vocab_size),
-                    eos_token=list(eos_ids),
-                )
+                read = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n_vocab, eos_token=list(eos_ids))
+                text_only = llg.TokenizerWrapper(_TextOnly(read, tokenizer, eos_ids))
+                built[key] = llg.LLTokenizer(text_only, n_vocab=n_vocab, eos_token=list(eos_ids))
             except Exception as e:  # the engine reads tokenizer.json with its own parser
                 raise GrammarError(
                     f"The grammar engine cannot read the vocabulary of {tokenizer.source}: {_short(e)}"
                 ) from None
         return built[key]
+
+
+class _TextOnly:
+    """The vocabulary as the engine read it from tokenizer.json, with an encoder that reads text as
+    text: where a grammar forces bytes that spell a special token ("<|im_end|>" as a schema's const),
+    the engine tokenises them to allow the next token, and tokenizer.json's own encoder would give
+    the special token's id, which the grammar then refuses (an error mid-reply) or which ends the
+    reply as an end-of-sequence id (JSON cut short). Here only the text's own tokens come back."""
+
+    def __init__(self, read, tokenizer: Tokenizer, eos_ids: tuple[int, ...]):
+        from tokenizers import Tokenizer as Backend
+
+        self.eos_token_id, self.bos_token_id = eos_ids[0], None
+        self.tokens = [read.decode_bytes([i]) for i in range(read.vocab_size)]
+        self.special_token_ids = [i for i in range(read.vocab_size) if read.is_special_token(i)]
+        self._read = read
+        self._encoder = Backend.from_str(tokenizer.backend.to_str())
+        self._encoder.encode_special_tokens = True  # "<|im_end|>" in the text is text
+
+    def __call__(self, data: bytes) -> list[int]:
+        """The ids of `data`: its text as text; from the first byte that is not UTF-8 text (a forced
+        run may end mid-character), as the engine's own tokenizer splits bytes."""
+        try:
+            return self._encode(data.decode())
+        except UnicodeDecodeError as e:
+            return self._encode(data[: e.start].decode()) + self._read.tokenize_bytes(data[e.start :])
+
+    def _encode(self, text: str) -> list[int]:
+        return self._encoder.encode(text, add_special_tokens=False).ids if text else []
 
 
 def _bounded_json(schema, source: str) -> str:

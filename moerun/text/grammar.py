@@ -217,8 +217,8 @@ class Matcher:
 
     def advance(self, token_id: int) -> None:
         """Take the token picked (one the mask allowed); GrammarError if the engine refuses it all
-        the same (a grammar that spells a special token as text, e.g. "<|im_end|>" where Lark's
-        <|im_end|> is meant, gets such a mask)."""
+        the same (a mask and a parser out of step: a literal spelling a special token did so until
+        the engine's encoder read text as text, `_TextOnly`)."""
         start = time.perf_counter()
         taken = self.state.consume_token(int(token_id))
         self.seconds += time.perf_counter() - start

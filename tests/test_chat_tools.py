@@ -156,8 +156,9 @@ def test_what_each_template_takes(tokenizers):
 def test_a_call_written_as_the_template_writes_it_is_read_back(family, tokenizers):
     ours, _ = tokenizers[family]
     request = ToolRequest.make([WEATHER], "required")
-    ((before, schema, after),) = tool_call_tags(ours.chat_template, ours.special_tokens, request)
-    assert schema == WEATHER["function"]["parameters"]
+    (form,) = tool_call_tags(ours.chat_template, ours.special_tokens, request)
+    before, schema, after = form.before, form.schema, form.after
+    assert schema == WEATHER["function"]["parameters"] and form.pairs is None
     fmt = ReplyFormat.of(ours, None)
     parser, reply = (
         fmt.parser(ours.render_chat(conversation("string", "none", CALL_ID)), request),
@@ -169,12 +170,28 @@ def test_a_call_written_as_the_template_writes_it_is_read_back(family, tokenizer
     assert reply.content == "" and reply.reasoning == ""
 
 
-def test_glm_calls_are_not_json_so_have_no_tags(tokenizers):
+def test_glm_calls_are_key_value_pairs_read_back(tokenizers):
+    """GLM-4.5's template writes a call's arguments as <arg_key>/<arg_value> pairs: the form found by
+    rendering it, filled with the arguments, is read back by GLM's parser as those arguments."""
     ours, _ = tokenizers["glm-4.5"]
-    assert (
-        tool_call_tags(ours.chat_template, ours.special_tokens, ToolRequest.make([WEATHER], "required"))
-        is None
+    request = ToolRequest.make([WEATHER], "required")
+    (form,) = tool_call_tags(ours.chat_template, ours.special_tokens, request)
+    assert form.pairs is not None and form.before.endswith("get_weather\n")
+    written = "".join(
+        form.pairs.key_open
+        + k
+        + form.pairs.between
+        + (v if isinstance(v, str) else json.dumps(v))
+        + form.pairs.value_close
+        for k, v in ARGUMENTS.items()
     )
+    parser, reply = (
+        ReplyFormat.of(ours, None).parser(ours.render_chat(conversation("string", "none", CALL_ID)), request),
+        ReplyDelta(),
+    )
+    reply.add(parser.push(form.before + written + form.after))
+    reply.add(parser.finish())
+    assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == [("get_weather", ARGUMENTS)]
 
 
 def test_a_template_that_knows_no_tools_still_renders_a_round_trip(tmp_path):

@@ -287,18 +287,27 @@ DICE = {
 TOOLS = {"get_weather": CITY, "roll": DICE}
 
 
-@pytest.fixture(scope="module", params=["QWEN3", "QWEN3_THINKING"])
-def qwen3_server(tmp_path_factory, request):
-    """A random Qwen3-style model (its template, or the thinking one whose prompt opens `<think>`;
-    `</think>` and `<tool_call>` in its vocabulary)."""
+MARKERS = (
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+)
+
+
+@pytest.fixture(scope="module", params=["QWEN3", "QWEN3_THINKING", "GLM45"])
+def tool_server(tmp_path_factory, request):
+    """A random model under Qwen3's template, the thinking one whose prompt opens `<think>`, or
+    GLM-4.5's (a call's arguments as <arg_key>/<arg_value> pairs); the markers in its vocabulary."""
     import family_templates
     from tokenizers import AddedToken
 
-    path = tmp_path_factory.mktemp("qwen3-random")
+    path = tmp_path_factory.mktemp("tools-random")
     tok = byte_level_tokenizer("qwen2")
-    tok.add_tokens(
-        [AddedToken(t, normalized=False, special=False) for t in ("</think>", "<tool_call>", "</tool_call>")]
-    )
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in MARKERS])
     save_hf_dir(
         tok,
         path,
@@ -307,7 +316,7 @@ def qwen3_server(tmp_path_factory, request):
         chat_template=getattr(family_templates, request.param),
     )
     save_model(make_model("qwen3_moe", vocab_size=tok.get_vocab_size(), max_position_embeddings=1024), path)
-    running = start(moerun.load(path, dtype=torch.float32), model_name="qwen3", parallel=4, ctx_size=1024)
+    running = start(moerun.load(path, dtype=torch.float32), model_name="tools", parallel=4, ctx_size=1024)
     yield running
     running.close()
 
@@ -322,16 +331,16 @@ def _check_calls(choice, jsonschema, names):
 
 
 @pytest.mark.parametrize("enable_thinking", [True, False])
-def test_tool_choice_required_makes_a_random_model_call_a_tool(qwen3_server, jsonschema, enable_thinking):
+def test_tool_choice_required_makes_a_random_model_call_a_tool(tool_server, jsonschema, enable_thinking):
     """Under tool_choice "required" the reply is a call of an offered tool whose arguments validate,
     whole and streamed, at 4 requests at once: with thinking off (the prompt opens and closes the
     reasoning), on, and under a template whose prompt opens it (the reply closes it first)."""
-    client = openai.OpenAI(base_url=qwen3_server.url, api_key="none", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=tool_server.url, api_key="none", max_retries=0, timeout=120)
     extra = {"chat_template_kwargs": {"enable_thinking": enable_thinking}}
 
     def ask(seed):
         return client.chat.completions.create(
-            model="qwen3",
+            model="tools",
             messages=MESSAGES,
             tools=[CITY, DICE],
             tool_choice="required",
@@ -345,7 +354,7 @@ def test_tool_choice_required_makes_a_random_model_call_a_tool(qwen3_server, jso
         for reply in pool.map(ask, range(4)):
             _check_calls(reply.choices[0], jsonschema, TOOLS)
     stream = client.chat.completions.create(
-        model="qwen3",
+        model="tools",
         messages=MESSAGES,
         tools=[CITY, DICE],
         tool_choice={"type": "function", "function": {"name": "roll"}},
@@ -362,7 +371,7 @@ def test_tool_choice_required_makes_a_random_model_call_a_tool(qwen3_server, jso
     jsonschema.validate(json.loads(arguments), DICE["function"]["parameters"])
 
 
-def test_tool_choice_and_a_response_format_together_are_a_400(qwen3_server, jsonschema):
+def test_tool_choice_and_a_response_format_together_are_a_400(tool_server, jsonschema):
     body = {"messages": MESSAGES, "tools": [CITY], "tool_choice": "required", "response_format": FORMAT}
-    r = httpx.post(qwen3_server.url + "/chat/completions", json=body, timeout=30)
+    r = httpx.post(tool_server.url + "/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"

@@ -311,3 +311,33 @@ def test_generate_json_schema_and_grammar_flags(checkpoint, capsys, tmp_path):
     schema_file.write_text('{"not": {}}')
     assert main([*base, "--json-schema", str(schema_file)]) == 2
     assert '"not"' in capsys.readouterr().err
+
+
+def test_arguments_as_key_value_pairs_are_held_to_their_schema(model):
+    """A call whose arguments are GLM-4.5's <arg_key>/<arg_value> pairs, under the grammar of one
+    call: read back by GLM's own reader (moerun.text.tool_calls.TaggedCalls), the arguments
+    validate, string lengths included (counted after the reader strips the value)."""
+    from moerun.text.chat_tools import ArgumentPairs, CallForm
+    from moerun.text.grammar import tool_call_grammar
+    from moerun.text.tool_calls import TaggedCalls
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 2, "maxLength": 5},
+            "note": {"type": "string", "maxLength": 1},
+            "n": {"type": "integer", "minimum": 1, "maximum": 9},
+            "mode": {"type": "string", "enum": ["fast", "slow"]},
+        },
+        "required": ["city", "n", "mode"],
+    }
+    pairs = ArgumentPairs("<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n")
+    call = tool_call_grammar([CallForm("<tool_call>f\n", schema, "</tool_call>", pairs)], model.tokenizer)
+    for seed in range(6):
+        text = _text(model.generate("hi", 240, temperature=1.0, seed=seed, response_format=call))
+        assert model.stats()["finish_reason"] == "stop", text
+        size, calls = TaggedCalls().region(text, True, {"f": schema})
+        assert size == len(text) and calls is not None, text
+        ((name, arguments),) = calls
+        assert name == "f"
+        jsonschema.validate(json.loads(arguments), schema)

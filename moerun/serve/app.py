@@ -418,8 +418,8 @@ def _forced_call(model, fmt: ReplyFormat, tools: ToolRequest | None, prompt: str
     """Under tool_choice "required" or a named function: the grammar of a reply that is one call of
     those functions as the chat template writes a call (after closing the reasoning the prompt opens,
     so the reply is read as a call). None where the choice is the model's, where the template writes
-    arguments other than as one JSON object, or without the grammar engine: the choice is then only
-    asked of the model."""
+    arguments in a form other than one JSON object or GLM-4.5's key/value pairs, or without the
+    grammar engine: the choice is then only asked of the model."""
     if tools is None or not tools.parsed or tools.choice in ("auto", "none") or not grammar.available():
         return None
     tokenizer = model.tokenizer
@@ -427,7 +427,10 @@ def _forced_call(model, fmt: ReplyFormat, tools: ToolRequest | None, prompt: str
     if not calls:
         return None
     opening = f"{THINK_END}\n\n" if fmt.thinking and prompt_opens_thinking(prompt) else ""
-    return grammar.tool_call_grammar(calls, tokenizer, opening)
+    try:
+        return grammar.tool_call_grammar(calls, tokenizer, opening)
+    except grammar.GrammarError as e:  # a parameter the template's form of a call cannot hold to
+        raise bad(str(e), "tools") from None
 
 
 def _check_length(text: str, most: int | None, field: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -206,24 +207,59 @@ def _with_short_ids(message: dict) -> dict:
     return message
 
 
+@dataclass(frozen=True)
+class ArgumentPairs:
+    """How a template writes a call's arguments as key/value pairs rather than one JSON object
+    (GLM-4.5): per argument `key_open` KEY `between` VALUE `value_close`, a string value bare and
+    any other as JSON (as `moerun.text.tool_calls` reads them back)."""
+
+    key_open: str
+    between: str
+    value_close: str
+
+
+@dataclass(frozen=True)
+class CallForm:
+    """One function's call as the template writes it: `before` its arguments, their JSON schema,
+    `after` them; `pairs` None where the arguments are one JSON object."""
+
+    before: str
+    schema: dict
+    after: str
+    pairs: ArgumentPairs | None = None
+
+
+# GLM-4.5's pairs, as its template writes the probe call: the markers moerun.text.tool_calls reads
+_PAIRS = re.compile(
+    rf"(?s)(.*?)(<arg_key>){PROBE_ARG}(</arg_key>\s*<arg_value>)argument value(</arg_value>\s*)(.*)"
+)
+
+
 def tool_call_tags(
     template: str, special_tokens: dict[str, str], request: ToolRequest
-) -> list[tuple[str, dict, str]] | None:
+) -> list[CallForm] | None:
     """For constrained decoding (tool_choice "required" or a named function): per function that may
-    be called, (the text before its arguments, their JSON schema, the text after them), as the
-    template itself writes a call (its `TemplateTools.example`), so a constrained reply is what the
-    model was trained to write and what `moerun.text.reply` reads. None when the template writes
-    no call, or writes its arguments other than as one JSON object (GLM-4.5's key/value pairs).
-    Where the prompt opens the reasoning (`moerun.text.reasoning.prompt_opens_thinking`), the reply
-    is read as reasoning until `</think>`, so a constrained reply must close it before the call."""
+    be called, its CallForm, as the template itself writes a call (its `TemplateTools.example`), so
+    a constrained reply is what the model was trained to write and what `moerun.text.reply` reads.
+    None when the template writes no call, or writes its arguments in a form other than one JSON
+    object or GLM-4.5's key/value pairs. Where the prompt opens the reasoning
+    (`moerun.text.reasoning.prompt_opens_thinking`), the reply is read as reasoning until `</think>`,
+    so a constrained reply must close it before the call."""
     tokens = tuple(sorted((k, v) for k, v in special_tokens.items() if k.endswith("_token") and v))
     example = template_tools(template, tokens).example
-    arguments = json.dumps({PROBE_ARG: "argument value"})
-    if example is None or example.count(arguments) != 1:
+    if example is None:
         return None
-    before, after = example.split(arguments)
+    arguments = json.dumps({PROBE_ARG: "argument value"})
+    if example.count(arguments) == 1:
+        before, after = example.split(arguments)
+        pairs = None
+    elif (match := _PAIRS.fullmatch(example)) is not None:
+        before, after = match[1], match[5]
+        pairs = ArgumentPairs(match[2], match[3], match[4])
+    else:
+        return None
     return [
-        (before.replace(PROBE_NAME, name), parameters or {"type": "object"}, after)
+        CallForm(before.replace(PROBE_NAME, name), parameters or {"type": "object"}, after, pairs)
         for name, parameters in request.parameters.items()
         if request.choice in ("required", "auto", name)
     ]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from moerun.text.chat_tools import ArgumentPairs, CallForm
     from moerun.text.tokenizer import Tokenizer
 
 INSTALL = "pip install 'moerun[structured]' (the llguidance grammar engine)"
@@ -124,24 +125,88 @@ def lark_json(schema: dict) -> str:
     return "%json " + _bounded_json({**schema, "x-guidance": options}, "the JSON schema")
 
 
-def tool_call_grammar(calls, tokenizer: Tokenizer, opening: str = "") -> Grammar:
-    """A reply that is one call of one of `calls` (each: the text a chat template writes before a
-    function's arguments, their JSON schema, the text after; `moerun.text.chat_tools.tool_call_tags`),
-    after `opening` (e.g. "</think>" where the prompt left the reasoning open). The tokenizer's added
-    tokens inside that text (`<tool_call>`, `[TOOL_CALLS]`, ...) are matched as those tokens, as the
-    tokenizer splits them out: the engine reads every added token, special or not, as a token of its
-    own that no spelling matches."""
+def tool_call_grammar(calls: list[CallForm], tokenizer: Tokenizer, opening: str = "") -> Grammar:
+    """A reply that is one call of one of `calls` (each as a chat template writes it:
+    `moerun.text.chat_tools.tool_call_tags`), after `opening` (e.g. "</think>" where the prompt left
+    the reasoning open). The tokenizer's added tokens inside that text (`<tool_call>`,
+    `[TOOL_CALLS]`, ...) are matched as those tokens, as the tokenizer splits them out: the engine
+    reads every added token, special or not, as a token of its own that no spelling matches.
+    GrammarError where a function's arguments cannot be held to their schema in the template's form
+    (a string argument with a `format`, written bare)."""
     added = {t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items()}
     rules, names = [], []
-    for i, (before, schema, after) in enumerate(calls):
+    for i, call in enumerate(calls):
         names.append(f"call{i}")
-        parts = [_lark_text(before, added), f"args{i}", _lark_text(after, added)]
-        rules += [f"call{i}: " + " ".join(p for p in parts if p), f"args{i}: {lark_json(schema)}"]
+        parts = [_lark_text(call.before, added), f"args{i}", _lark_text(call.after, added)]
+        rules.append(f"call{i}: " + " ".join(p for p in parts if p))
+        if call.pairs is None:
+            rules.append(f"args{i}: {lark_json(call.schema)}")
+        else:
+            rules += _argument_pairs(f"args{i}", call.schema, call.pairs, added)
     if not names:
         raise GrammarError("tool_choice names no function the request offers.")
     head = _lark_text(opening, added)
     start = "start: " + (head + " " if head else "") + "(" + " | ".join(names) + ")"
     return Grammar.text("\n".join([start, *rules]), "the tool call")
+
+
+_BARE_STRING_KEYWORDS = {"type", "description", "title", "enum", "const", "default", "examples"}
+
+
+def _bare_string(schema: dict) -> str:
+    """A Lark regex for a string written bare between markers, as the reader strips it: no '<' (the
+    closing marker's first character), no space at either end, within minLength/maxLength."""
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if not isinstance(low, int) or not isinstance(high, int | None) or (high is not None and high < low):
+        raise GrammarError("A string argument's minLength and maxLength must be integers, the least first.")
+    end, middle = r"[^<\s]", r"[^<]"
+    shapes = []  # the non-empty lengths: one character, or two ends around 0 or more
+    if low <= 1 and (high is None or high >= 1):
+        shapes.append(end)
+    if high is None or high >= 2:
+        shapes.append(f"{end}{middle}{{{max(low - 2, 0)},{'' if high is None else high - 2}}}{end}")
+    if not shapes:
+        return '""'
+    return f"/({'|'.join(shapes)})" + ("?/" if low == 0 else "/")
+
+
+def _argument_pairs(rule: str, schema: dict, pairs: ArgumentPairs, added: dict[str, int]) -> list[str]:
+    """Lark rules for arguments written as key/value pairs: the schema's properties in its order,
+    the required ones always and the others optional; a string-typed value bare (one of its enum
+    or const where it has them), any other value JSON under its own schema."""
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = [k for k in schema.get("required", []) if isinstance(k, str)]
+    keys = [*properties, *(k for k in required if k not in properties)]
+    rules, items = [], []
+    for j, key in enumerate(keys):
+        value = properties.get(key, {})
+        value = value if isinstance(value, dict) else {}
+        if value.get("type") == "string":
+            extra = set(value) - _BARE_STRING_KEYWORDS - {"minLength", "maxLength"}
+            if extra:
+                raise GrammarError(
+                    f"The string argument {key!r} has {', '.join(sorted(extra))}, which a call written as "
+                    "key/value pairs cannot be held to."
+                )
+            choices = value.get("enum", [value["const"]] if "const" in value else None)
+            if choices is not None and not all(isinstance(c, str) for c in choices):
+                raise GrammarError(f"The string argument {key!r} lists a value that is not a string.")
+            body = (
+                " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+                if choices
+                else _bare_string(value)
+            )
+        else:
+            body = lark_json(value)
+        pair = [
+            _lark_text(pairs.key_open + key + pairs.between, added),
+            f"{rule}_{j}",
+            _lark_text(pairs.value_close, added),
+        ]
+        rules.append(f"{rule}_{j}: {body}")
+        items.append("(" + " ".join(pair) + ")" + ("" if key in required else "?"))
+    rules.insert(0, f"{rule}: " + (" ".join(items) if items else '""'))
+    return rules
 
 
 def _lark_text(text: str, tokens: dict[str, int]) -> str:

@@ -375,3 +375,29 @@ def test_tool_choice_and_a_response_format_together_are_a_400(tool_server, jsons
     body = {"messages": MESSAGES, "tools": [CITY], "tool_choice": "required", "response_format": FORMAT}
     r = httpx.post(tool_server.url + "/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+def test_a_string_pattern_in_key_value_pairs_is_a_400_naming_it(tool_server):
+    """GLM-4.5 writes a string argument bare, where a `pattern` cannot be held: a 400 naming the
+    argument and the keyword, and the server goes on. Under JSON-object templates it is held."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "code",
+            "parameters": {
+                "type": "object",
+                "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["zip"],
+            },
+        },
+    }
+    body = {"messages": MESSAGES, "tools": [tool], "tool_choice": "required", "max_tokens": BUDGET}
+    r = httpx.post(tool_server.url + "/chat/completions", json=body, timeout=60)
+    if "<arg_key>" in tool_server.state.model.tokenizer.chat_template:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        assert "'zip'" in r.json()["error"]["message"] and "pattern" in r.json()["error"]["message"]
+        assert httpx.get(tool_server.base + "/health", timeout=30).status_code == 200
+    else:
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls"
+        arguments = json.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
+        assert len(arguments["zip"]) == 5 and arguments["zip"].isdigit()

@@ -17,7 +17,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -26,17 +26,12 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from moerun.serve import protocol
+from moerun.serve import prompts, protocol
 from moerun.serve.choices import ChatChoice, text_choice, text_chunk
+from moerun.serve.metrics import metrics_text
 from moerun.serve.protocol import APIError, Body, bad
 from moerun.serve.scheduler import SHUTTING_DOWN, Job, QueueFull, Scheduler
-from moerun.text import grammar
-from moerun.text.chat_tools import tool_call_tags
-from moerun.text.grammar import Grammar
-from moerun.text.reasoning import END as THINK_END
-from moerun.text.reasoning import prompt_opens_thinking
-from moerun.text.reply import ReplyFormat, ReplyParser
-from moerun.text.tool_calls import ToolRequest
+from moerun.text.reply import ReplyFormat
 
 MAX_BODY = 4 << 20  # bytes of a request body
 POLL_S = 0.25  # how often a whole-response request checks that its client is still there
@@ -193,7 +188,7 @@ class Routes:
         """The most characters one token of `model`'s vocabulary covers, found once; 0 if no bound
         holds (a vocabulary that joins a run of unknown characters into one token)."""
         if self.state.chars_per_token is None:
-            self.state.chars_per_token = _chars_per_token(model.tokenizer)
+            self.state.chars_per_token = prompts.chars_per_token(model.tokenizer)
         return self.state.chars_per_token
 
     def check_model_name(self, body: Body) -> None:
@@ -226,9 +221,9 @@ class Routes:
         def make():  # rendering and tokenising: in a thread, so other requests go on meanwhile
             most = context * self.chars_per_token(model) or None
             if chat:
-                prompt, parser, forced = _chat_prompt(model, body, self.reply_format(model), most)
+                prompt, parser, forced = prompts.chat_prompt(model, body, self.reply_format(model), most)
             else:
-                prompt, parser, forced = _prompt(model, body, most), None, None
+                prompt, parser, forced = prompts.text_prompt(model, body, most), None, None
             if forced is not None:  # tool_choice asks for a call: the grammar of one
                 if kwargs.get("response_format", {"type": "text"}) != {"type": "text"}:
                     message = "'response_format' and a tool_choice that asks for a call both shape the reply."
@@ -341,7 +336,7 @@ class Routes:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: HTTPRequest) -> Response:
-        return PlainTextResponse(_metrics(self.state), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics_text(self.state), media_type="text/plain; version=0.0.4")
 
     async def _text_request(self, request: HTTPRequest) -> tuple[Body, object]:
         """/tokenize and /detokenize: the key, the body, a loaded model with a tokenizer."""
@@ -379,84 +374,6 @@ class Routes:
         return await asyncio.to_thread(answer)
 
 
-def _prompt(model, body: Body, most: int | None) -> str | list[int]:
-    """A completion's prompt (text or ids); text of more than `most` characters is refused before
-    it is tokenised."""
-    prompt = protocol.completion_prompt(body)
-    if isinstance(prompt, str) and model.tokenizer is None:
-        raise bad("This model has no tokenizer, so the prompt must be token ids.", "prompt")
-    if isinstance(prompt, str):
-        _check_length(prompt, most, "prompt")
-    return prompt
-
-
-def _chat_prompt(
-    model, body: Body, fmt: ReplyFormat, most: int | None
-) -> tuple[list[int], Callable[[], ReplyParser], Grammar | None]:
-    """A chat's messages (and tools) in the model's template -> (its ids, what makes a parser for a
-    reply, which `fmt` says how to read: one per choice, the grammar of a call where tool_choice asks
-    for one); a rendering of more than `most` characters is refused before it is tokenised."""
-    messages = protocol.chat_messages(body)
-    tools = protocol.chat_tools(body)
-    variables = protocol.template_variables(body)
-    if tools is not None and tools.parsed and not fmt.calls_tools():
-        raise bad(
-            f"This model ({model.config.model_type}) has no tool-call syntax moerun can read: its chat "
-            "template names none, nor does its vocabulary or family.",
-            "tools",
-        )
-    try:
-        text = model.tokenizer.render_chat(messages, tools=list(tools.tools) if tools else None, **variables)
-    except ValueError as e:  # no template, or one that refuses these messages
-        raise bad(str(e)[:300], "messages") from None
-    _check_length(text, most, "messages")
-    ids = model.tokenizer.encode(text, add_special_tokens=False)
-    return ids, lambda: fmt.parser(text, tools), _forced_call(model, fmt, tools, text)
-
-
-def _forced_call(model, fmt: ReplyFormat, tools: ToolRequest | None, prompt: str) -> Grammar | None:
-    """Under tool_choice "required" or a named function: the grammar of a reply that is one call of
-    those functions as the chat template writes a call (after closing the reasoning the prompt opens,
-    so the reply is read as a call). None where the choice is the model's, where the template writes
-    arguments in a form other than one JSON object or GLM-4.5's key/value pairs, or without the
-    grammar engine: the choice is then only asked of the model."""
-    if tools is None or not tools.parsed or tools.choice in ("auto", "none") or not grammar.available():
-        return None
-    tokenizer = model.tokenizer
-    calls = tool_call_tags(tokenizer.chat_template, tokenizer.special_tokens, tools)
-    if not calls:
-        return None
-    opening = f"{THINK_END}\n\n" if fmt.thinking and prompt_opens_thinking(prompt) else ""
-    try:
-        return grammar.tool_call_grammar(calls, tokenizer, opening)
-    except grammar.GrammarError as e:  # a parameter the template's form of a call cannot hold to
-        raise bad(str(e), "tools") from None
-
-
-def _check_length(text: str, most: int | None, field: str) -> None:
-    if most is not None and len(text) > most:
-        raise bad(
-            f"The prompt's {len(text)} characters cannot fit this server's context: at most {most} "
-            "can (the context times the most characters one token of this vocabulary covers).",
-            field,
-        )
-
-
-def _chars_per_token(tokenizer) -> int:
-    """The most characters of text one token can stand for: its longest entry (byte-level vocabularies
-    spell each byte as one character, SentencePiece ones each character as one), or 0 where a token
-    may stand for any number (a BPE that joins a run of unknown characters into one unknown token,
-    a non-BPE model)."""
-    from tokenizers.models import BPE
-
-    if tokenizer is None:
-        return 0
-    backend = tokenizer.backend.model
-    if not isinstance(backend, BPE) or (backend.fuse_unk and not backend.byte_fallback):
-        return 0
-    return max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=0)
-
-
 async def _collect(request: HTTPRequest, scheduler: Scheduler, job: Job, events: asyncio.Queue):
     """A whole response's (tokens of each choice, stats of each choice); the job is cancelled if the
     client goes away (a 499)."""
@@ -486,51 +403,3 @@ def _job_error(message) -> APIError:
     if message == SHUTTING_DOWN:
         return APIError(503, SHUTTING_DOWN, None, "shutting_down")
     return APIError(500, str(message))
-
-
-def _metrics(state: ServerState) -> str:
-    lines = []
-
-    def metric(name: str, kind: str, help: str, value) -> None:
-        lines.extend(
-            [f"# HELP moerun_{name} {help}", f"# TYPE moerun_{name} {kind}", f"moerun_{name} {value}"]
-        )
-
-    s = state.scheduler
-    metric("ready", "gauge", "1 once the model is loaded.", int(s is not None))
-    if s is not None:
-        c = s.counters
-        metric("requests_total", "counter", "Completion requests received.", c.requests)
-        metric("requests_finished_total", "counter", "Requests answered in full.", c.finished)
-        metric("requests_cancelled_total", "counter", "Requests whose client went away.", c.cancelled)
-        metric("requests_failed_total", "counter", "Requests the model failed on.", c.failed)
-        metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", c.prompt_tokens)
-        metric(
-            "prompt_tokens_reused_total",
-            "counter",
-            "Prompt tokens copied from a kept prefix.",
-            c.reused_tokens,
-        )
-        metric("generation_tokens_total", "counter", "Tokens generated.", c.generated_tokens)
-        metric("steps_total", "counter", "Forward passes over the running batch.", c.steps)
-        metric("step_seconds_total", "counter", "Seconds spent in those passes.", round(c.step_s, 6))
-        metric(
-            "grammar_seconds_total",
-            "counter",
-            "Of those, seconds spent on structured output's token masks.",
-            round(c.grammar_s, 6),
-        )
-        metric("queue_length", "gauge", "Requests waiting for a slot.", s.waiting)
-        metric("batch_size", "gauge", "Requests running.", s.running)
-        metric(
-            "tokens_per_second",
-            "gauge",
-            "Tokens generated per second over the last steps.",
-            round(c.rate(), 3),
-        )
-        cache = getattr(state.model, "expert_cache", None)
-        if cache is not None:
-            total = cache.summary()["total"]
-            metric("expert_cache_hits_total", "counter", "Expert cache hits.", total["hits"])
-            metric("expert_cache_misses_total", "counter", "Expert cache misses.", total["misses"])
-    return "\n".join(lines) + "\n"

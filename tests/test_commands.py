@@ -53,6 +53,7 @@ class Args:
     command, model, system, max_tokens, ctx_size, ctx_size_default = "chat", "tiny", None, 6, None, None
     temperature, top_k, top_p, min_p, repeat_penalty, seed, stop = 0.0, 0, 1.0, 0.0, 1.0, None, []
     presence_penalty = frequency_penalty = 0.0
+    chat_template_kwargs, hide_reasoning = None, False
 
     def __init__(self, **values):
         self.__dict__.update(values)
@@ -323,3 +324,85 @@ def test_generate_an_empty_prompts_file_is_one_sentence(checkpoint, capsys, tmp_
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "no prompts" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def thinking_checkpoint(tmp_path_factory):
+    """A tiny Qwen3 model under the thinking template (its prompt opens `<think>`), `</think>` an
+    added token, and a grammar that makes its reply reasoning, then `</think>`, then an answer."""
+    import family_templates
+    from tokenizers import AddedToken
+
+    path = tmp_path_factory.mktemp("thinking")
+    tok = byte_level_tokenizer("qwen2")
+    tok.add_tokens([AddedToken("</think>", normalized=False, special=False)])
+    save_hf_dir(
+        tok,
+        path,
+        tokenizer_class="PreTrainedTokenizerFast",
+        eos_token="<|im_end|>",
+        chat_template=family_templates.QWEN3_THINKING,
+    )
+    save_model(make_model("qwen3_moe", vocab_size=tok.get_vocab_size()), path)
+    (path / "reply.lark").write_text('start: "Let me see." "</think>" "\\n\\nYes."')
+    return path
+
+
+def test_generate_chat_shows_the_reasoning_apart(thinking_checkpoint, capsys):
+    pytest.importorskip("llguidance")
+    grammar = ["--grammar", str(thinking_checkpoint / "reply.lark")]
+    run = [
+        "generate",
+        "--model",
+        str(thinking_checkpoint),
+        "--prompt",
+        "hi",
+        "--dtype",
+        "fp32",
+        "--chat",
+        *grammar,
+    ]
+    assert main([*run, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["text"] == "Let me see.</think>\n\nYes."
+    assert record["reasoning_content"] == "Let me see." and record["content"] == "Yes."
+    assert main(run) == 0
+    assert capsys.readouterr().out == "Thinking...\nLet me see.\n...done thinking.\n\nYes.\n"
+    assert main([*run, "--hide-reasoning"]) == 0
+    assert capsys.readouterr().out == "Yes.\n"
+
+
+def test_chat_shows_the_reasoning_apart_and_keeps_the_answer(thinking_checkpoint, capsys):
+    pytest.importorskip("llguidance")
+    model = moerun.load(thinking_checkpoint, dtype=torch.float32)
+    reply = moerun.Grammar.text((thinking_checkpoint / "reply.lark").read_text())
+    prompts, real_generate = [], model.generate
+
+    def constrained(prompt, max_new_tokens=None, **kw):
+        prompts.append(prompt)
+        return real_generate(prompt, max_new_tokens, response_format=reply, **kw)
+
+    model.generate = constrained
+    out = io.StringIO()
+    assert run_chat(model, Args(max_tokens=40), _lines(["hi", "and?"]), out=out) == 0
+    assert out.getvalue().count("Thinking...\nLet me see.\n...done thinking.\n\nYes.\n") == 2
+    turns = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Yes.", "reasoning_content": "Let me see."},
+        {"role": "user", "content": "and?"},
+    ]
+    assert prompts[1] == model.tokenizer.encode_chat(turns)
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_checkpoint):
+    """--chat-template-kwargs '{"enable_thinking": false}': Qwen3's template closes an empty
+    reasoning in the prompt, which it does not do otherwise."""
+    model = moerun.load(thinking_checkpoint, dtype=torch.float32)
+    prompts = _recording(model)
+    variables = '{"enable_thinking": false}'
+    assert run_chat(model, Args(chat_template_kwargs=variables), _lines(["hi"]), out=io.StringIO()) == 0
+    turn = [{"role": "user", "content": "hi"}]
+    assert prompts[0] == model.tokenizer.encode_chat(turn, enable_thinking=False)
+    assert prompts[0] != model.tokenizer.encode_chat(turn)
+    with pytest.raises(ValueError, match="JSON object"):
+        run_chat(model, Args(chat_template_kwargs="[1]"), _lines(["hi"]))

@@ -16,7 +16,7 @@ from tiny_tokenizers import VARIANTS, random_text, save_hf_dir
 
 import moerun
 from moerun.cli.main import main
-from moerun.serve.app import _chars_per_token
+from moerun.serve.prompts import chars_per_token
 from moerun.serve.protocol import MAX_STOP_CHARS
 from moerun.text import Tokenizer
 
@@ -204,7 +204,7 @@ def test_the_event_loop_runs_while_a_long_text_is_tokenised(server):
 def test_a_prompt_too_long_for_any_tokenisation_is_refused_untokenised(server, http, held_tokenizer):
     _, release, calls = held_tokenizer
     release.set()
-    most = 256 * _chars_per_token(server.state.model.tokenizer)
+    most = 256 * chars_per_token(server.state.model.tokenizer)
     error = _error(_post(http, "/v1/completions", {"prompt": "a" * (most + 1), "max_tokens": 1}), 400)
     assert str(most + 1) in error["message"] and str(most) in error["message"]
     assert error["param"] == "prompt" and calls == []
@@ -223,7 +223,7 @@ def test_no_token_stands_for_more_characters_than_the_bound(tmp_path, variant):
     and on random text with special tokens, accents and emoji."""
     backend, config = VARIANTS[variant]
     tokenizer = Tokenizer.from_hf_dir(save_hf_dir(backend(), tmp_path, **config))
-    per_token = _chars_per_token(tokenizer)
+    per_token = chars_per_token(tokenizer)
     assert per_token > 0
     rng = random.Random(0)
     texts = [tokenizer.decode([i], skip_special_tokens=False) * 3 for i in range(tokenizer.vocab_size)]

@@ -20,6 +20,7 @@ from moerun.cli.common import (
     serve_experts_for_rank_0,
     summary,
 )
+from moerun.cli.thinking import ReplyWriter, add_chat_arguments, template_variables
 
 COMMANDS = {
     "/help": "this list",
@@ -32,6 +33,7 @@ def add_parser(commands) -> None:
     chat = commands.add_parser("chat", help="a conversation with the model's own chat template")
     add_model_arguments(chat)
     add_generation_arguments(chat)
+    add_chat_arguments(chat)
     chat.set_defaults(run=chat_command)
 
 
@@ -46,6 +48,7 @@ def run_chat(
     out, err = out or sys.stdout, err or sys.stderr
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer, so it cannot chat; use `moerun generate` with ids.")
+    variables = template_variables(args)
     model.tokenizer.render_chat([{"role": "user", "content": ""}])  # no template: say so now, not later
     context = context_size(args, model)
     options = dict(generation_options(args, err), ctx_size=context)
@@ -76,46 +79,56 @@ def run_chat(
         if not command:
             continue
         messages.append({"role": "user", "content": line})
-        prompt = _fit(model, messages, len(system), context - room, err)
+        prompt = _fit(model, messages, len(system), context - room, err, variables)
         if prompt is None:
             messages.pop()
             continue
-        reply = []
+        text, ids = prompt
+        reply = ReplyWriter(model, text, out, hide=args.hide_reasoning)
         try:
             # each turn repeats the conversation: only what is new since the last turn is prefilled
-            for token in model.generate(prompt, reuse_prefix=True, **options):
-                reply.append(token.text)
-                out.write(token.text)
-                out.flush()
+            for token in model.generate(ids, reuse_prefix=True, **options):
+                reply.push([token])
         except KeyboardInterrupt:
             err.write("\n[stopped]")
+        reply.finish()
         out.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        answer = {"role": "assistant", "content": reply.content}
+        messages.append({**answer, "reasoning_content": reply.reasoning} if reply.reasoning else answer)
         stats = model.stats()
         err.write(f"({summary(stats)})\n")
 
 
-def _fit(model, messages: list[dict], kept: int, limit: int, err: TextIO) -> list[int] | None:
-    """The conversation's ids, its oldest turns after the first `kept` messages dropped (in place)
-    until they are at most `limit`; None (said on `err`) when the last message alone is too long."""
-    prompt = model.tokenizer.encode_chat(messages)
+def _fit(
+    model, messages: list[dict], kept: int, limit: int, err: TextIO, variables: dict
+) -> tuple[str, list[int]] | None:
+    """The conversation's prompt (text, ids), its oldest turns after the first `kept` messages
+    dropped (in place) until its ids are at most `limit`; None (said on `err`) when the last message
+    alone is too long. `variables`: the chat template's (--chat-template-kwargs)."""
+
+    def render() -> tuple[str, list[int]]:
+        text = model.tokenizer.render_chat(messages, **variables)
+        return text, model.tokenizer.encode(text, add_special_tokens=False)
+
+    text, prompt = render()
     dropped = 0
     while len(prompt) > limit and len(messages) > kept + 1:
         del messages[kept]  # the oldest message; a user turn with its reply
         if len(messages) > kept + 1 and messages[kept]["role"] == "assistant":
             del messages[kept]
         dropped += 1
-        prompt = model.tokenizer.encode_chat(messages)
+        text, prompt = render()
     if len(prompt) > limit:
         err.write(f"[that message is {len(prompt)} tokens with the template, more than the context allows]\n")
         return None
     if dropped:
         err.write(f"[the context is full: the oldest {dropped} turn{'s' if dropped > 1 else ''} dropped]\n")
-    return prompt
+    return text, prompt
 
 
 def chat_command(args: argparse.Namespace) -> int:
     generation_options(args, sys.stderr)  # the flags' values, checked before the model loads
+    template_variables(args)
     if (status := serve_experts_for_rank_0(args)) is not None:
         return status
     with contextlib.suppress(ImportError):  # not on every platform

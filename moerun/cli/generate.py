@@ -5,6 +5,7 @@ are printed and the exit code is 130, as for any interrupted command."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from typing import TextIO
@@ -22,6 +23,7 @@ from moerun.cli.common import (
     serve_experts_for_rank_0,
     summary,
 )
+from moerun.cli.thinking import ReplyWriter, add_chat_arguments, template_variables
 
 
 def add_parser(commands) -> None:
@@ -59,6 +61,7 @@ def add_parser(commands) -> None:
         "llguidance's Lark (start: ...) (needs moerun[structured])",
     )
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_chat_arguments(generate)
     generate.add_argument(
         "--logprobs",
         type=int,
@@ -93,6 +96,9 @@ def _check_arguments(args: argparse.Namespace, err: TextIO) -> dict:
         raise ValueError("--logprobs are reported in the --json record; add --json.")
     if args.system is not None and not args.chat:
         raise ValueError("--system is a message for the chat template; add --chat.")
+    if (args.chat_template_kwargs is not None or args.hide_reasoning) and not args.chat:
+        raise ValueError("--chat-template-kwargs and --hide-reasoning are for a chat; add --chat.")
+    template_variables(args)
     if args.chat and args.prompt_ids is not None:
         raise ValueError("--chat renders a text prompt, --prompt-ids are already tokens; give one.")
     if args.parallel < 1:
@@ -109,17 +115,26 @@ def response_format(args: argparse.Namespace):
     return None
 
 
-def _prompt_for_model(model, args: argparse.Namespace, prompt: str | list[int]) -> list[int] | str:
+def _prompt_for_model(
+    model, args: argparse.Namespace, prompt: str | list[int]
+) -> tuple[list[int] | str, str | None]:
+    """-> (what model.generate takes, the chat prompt's text where --chat renders one)"""
     if model.tokenizer is None and isinstance(prompt, str):
         raise ValueError(
             f"{args.model} has no tokenizer, so give the prompt as token ids (--prompt-ids 1,2,3)."
         )
     if not args.chat:
-        return prompt
+        return prompt, None
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": prompt}
     ]
-    return model.tokenizer.encode_chat(messages)
+    text = model.tokenizer.render_chat(messages, **template_variables(args))
+    return model.tokenizer.encode(text, add_special_tokens=False), text
+
+
+def _reply(model, args: argparse.Namespace, chat_text: str | None, out: TextIO | None) -> ReplyWriter | None:
+    """A chat reply's writer (its reasoning apart from its answer), or None: not a chat."""
+    return ReplyWriter(model, chat_text, out, hide=args.hide_reasoning) if chat_text is not None else None
 
 
 def read_prompts(path: str) -> list[str]:
@@ -140,23 +155,29 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
     prompt = read_prompt(args)
     model = load_with_progress(args, err)
     options["ctx_size"] = context_size(args, model)
-    tokens = model.generate(_prompt_for_model(model, args, prompt), **options)
+    ids, chat_text = _prompt_for_model(model, args, prompt)
+    reply = _reply(model, args, chat_text, None if args.json else out)
+    tokens = model.generate(ids, **options)
     generated = []
     try:
         for token in tokens:
             generated.append(token)
-            if not args.json:
+            if reply is not None:
+                reply.push([token])
+            elif not args.json:
                 out.write(token.text)
                 out.flush()
         code = 0
     except KeyboardInterrupt:
         tokens.close()
         code = INTERRUPTED
+    if reply is not None:
+        reply.finish()
     stats = model.stats()
     if code == INTERRUPTED:
         stats["finish_reason"] = "interrupted"
     if args.json:
-        out.write(json.dumps(_record(model, generated, stats, args.logprobs)) + "\n")
+        out.write(json.dumps(_record(model, generated, stats, args.logprobs, reply)) + "\n")
     else:
         out.write("\n")
         err.write(("[stopped] " if code == INTERRUPTED else "") + summary(stats) + "\n")
@@ -169,14 +190,19 @@ def _run_batch(args: argparse.Namespace, prompts: list[str], options: dict, out:
     model = load_with_progress(args, err)
     options["ctx_size"] = context_size(args, model)
     inputs = [_prompt_for_model(model, args, p) for p in prompts]
-    outputs = model.generate(inputs, parallel=args.parallel, **options)
+    outputs = model.generate([ids for ids, _ in inputs], parallel=args.parallel, **options)
     stats = model.stats()
     for i, (tokens, own) in enumerate(zip(outputs, stats["sequences"], strict=True)):
+        shown = io.StringIO()
+        reply = _reply(model, args, inputs[i][1], shown)
+        if reply is not None:
+            reply.push(tokens)
+            reply.finish()
         if args.json:
-            out.write(json.dumps({"index": i, **_record(model, tokens, own, args.logprobs)}) + "\n")
+            out.write(json.dumps({"index": i, **_record(model, tokens, own, args.logprobs, reply)}) + "\n")
         else:
             out.write(f"=== prompt {i + 1}/{len(prompts)} ({own['finish_reason']}) ===\n")
-            out.write("".join(t.text for t in tokens) + "\n")
+            out.write((shown.getvalue() if reply is not None else "".join(t.text for t in tokens)) + "\n")
     err.write(
         f"batch of {len(prompts)} prompts ({args.parallel} at once): {stats['prompt_tokens']} prompt tokens, "
         f"generated {stats['new_tokens']} tokens in {stats['steps']} steps, "
@@ -185,13 +211,19 @@ def _run_batch(args: argparse.Namespace, prompts: list[str], options: dict, out:
     return 0
 
 
-def _record(model, tokens: list, stats: dict, logprobs: int) -> dict:
+def _record(model, tokens: list, stats: dict, logprobs: int, reply: ReplyWriter | None = None) -> dict:
+    """The --json record; a chat reply's answer (`content`) and reasoning (`reasoning_content`, where
+    the model thought) apart as well, as the server's message has them."""
     record = {
         "text": "".join(t.text for t in tokens),
         "ids": [t.id for t in tokens],
         "finish_reason": stats["finish_reason"],
         "stats": stats,
     }
+    if reply is not None:
+        record["content"] = reply.content
+        if reply.reasoning:
+            record["reasoning_content"] = reply.reasoning
     if logprobs:
         name = model.tokenizer.id_to_token if model.tokenizer else str
         record["logprobs"] = [

@@ -388,10 +388,11 @@ def _engine_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int,
 
 class _TextOnly:
     """The vocabulary as the engine read it from tokenizer.json, with an encoder that reads text as
-    text: where a grammar forces bytes that spell a special token ("<|im_end|>" as a schema's const),
-    the engine tokenises them to allow the next token, and tokenizer.json's own encoder would give
-    the special token's id, which the grammar then refuses (an error mid-reply) or which ends the
-    reply as an end-of-sequence id (JSON cut short). Here only the text's own tokens come back."""
+    text: where a grammar forces bytes that spell an added token ("<|im_end|>" as a schema's const,
+    "<tool_call>" in a Lark literal), the engine tokenises them to allow the next token, and
+    tokenizer.json's own encoder would give the added token's id, which the engine (reading every
+    added token as a token no spelling matches) then refuses, an error mid-reply, or which ends the
+    reply as an end-of-sequence id (JSON cut short). Here no added token comes out of text."""
 
     def __init__(self, read, tokenizer: Tokenizer, eos_ids: tuple[int, ...]):
         from tokenizers import Tokenizer as Backend
@@ -400,8 +401,9 @@ class _TextOnly:
         self.tokens = [read.decode_bytes([i]) for i in range(read.vocab_size)]
         self.special_token_ids = [i for i in range(read.vocab_size) if read.is_special_token(i)]
         self._read = read
-        self._encoder = Backend.from_str(tokenizer.backend.to_str())
-        self._encoder.encode_special_tokens = True  # "<|im_end|>" in the text is text
+        spec = json.loads(tokenizer.backend.to_str())
+        spec["added_tokens"] = []  # "<|im_end|>" in the text is text
+        self._encoder = Backend.from_str(json.dumps(spec))
 
     def __call__(self, data: bytes) -> list[int]:
         """The ids of `data`: its text as text; from the first byte that is not UTF-8 text (a forced

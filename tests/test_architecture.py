@@ -69,11 +69,13 @@ ALLOWED = {
         "model.py",
         "serve",
         "distributed",
+        "text",
     },  # fmt: skip
     "serve": {"batching.py", "decoder", "text"},
     "cli": {
         "moerun",
         "serve",
+        "text",
         "benchmarks",
         "checkpoint",
         "export",

@@ -176,3 +176,76 @@ def test_loading_a_resident_gguf_model_copies_none_of_its_experts(tmp_path):
     )
     added = int(out.stdout.split()[-1])
     assert added < 48 * 2**20, f"loading added {added / 2**20:.0f} MiB of anonymous memory"
+
+
+def _views_of_the_file(weight, path) -> bool:
+    """Whether every matrix of `weight` (ExpertViews) is a view of the map of the file at `path`."""
+    return all(v.untyped_storage().nbytes() == os.path.getsize(path) for v in weight.views)
+
+
+@pytest.mark.parametrize(
+    "dtype, integer",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["fp32", "bf16", "bf16-int8"],
+)
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+def test_a_resident_hf_model_reads_each_experts_tensors_from_the_file_map(
+    model_type, dtype, integer, tmp_path, monkeypatch
+):
+    """A Hugging Face checkpoint stores every expert's gate, up and down as tensors of their own. On
+    the cpu backend, in the file's dtype, they stay views of the file's map (no stacked copy), and
+    the logits of a prompt (the prefill path) and of decode steps are bitwise those of the same
+    model with its experts stacked into copies as before; in fp32 they equal transformers' within
+    1e-4 as well."""
+    from hf_models import hf_logits, make_model, save_model
+
+    from moerun.moe import layer as moe_layer
+    from moerun.quant.halves import ExpertViews
+
+    model = make_model(model_type)
+    save_model(model.to(dtype), tmp_path)
+    (path,) = tmp_path.glob("*.safetensors")
+    load = dict(backend="cpu", dtype=dtype, int8_activations=integer)
+    in_place = moerun.load(tmp_path, **load)
+    for mlp in in_place.mlps:
+        if not hasattr(mlp, "experts"):  # a dense MLP layer
+            continue
+        halves, down = mlp.experts.gate_up, mlp.experts.down
+        assert isinstance(halves, GateUpHalves) and isinstance(down, ExpertViews)
+        assert all(_views_of_the_file(w, path) for w in (halves.gate, halves.up, down))
+    monkeypatch.setattr(moe_layer, "_used_in_place", lambda weight, run: False)
+    copied = moerun.load(tmp_path, **load)
+    assert not any(isinstance(m.experts.gate_up, GateUpHalves) for m in copied.mlps if hasattr(m, "experts"))
+
+    prompt = torch.randint(0, in_place.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(in_place.logits(prompt), copied.logits(prompt))  # 24 tokens: torch's GEMMs
+    steps = [[t.id for t in m.generate(prompt[0].tolist(), 6)] for m in (in_place, copied)]
+    assert steps[0] == steps[1] and in_place.stats()["new_tokens"] == 6
+    one = prompt[:, :1]
+    assert torch.equal(in_place.logits(one), copied.logits(one))  # one token: the native step
+    if dtype == torch.float32:
+        want = hf_logits(model, prompt)
+        assert torch.allclose(in_place.logits(prompt), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
+def test_loading_a_resident_hf_model_copies_none_of_its_experts(tmp_path):
+    """The anonymous-memory bound for a Hugging Face checkpoint, from /proc: experts of 300 MB, each
+    expert's tensors stored apart, add far less than them to the process's anonymous memory, where
+    stacking them used to copy all of them."""
+    from hf_models import make_model, save_model
+
+    shape = dict(hidden_size=256, moe_intermediate_size=256, num_experts=64, num_hidden_layers=6, head_dim=32)
+    model = make_model("qwen3_moe", **shape)
+    expert_bytes = sum(p.numel() * 4 for name, p in model.named_parameters() if ".experts." in name)
+    assert expert_bytes > 250 * 2**20
+    save_model(model, tmp_path)
+    del model
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    added = int(out.stdout.split()[-1])
+    assert added < 48 * 2**20, f"loading added {added / 2**20:.0f} MiB of anonymous memory"

@@ -21,6 +21,7 @@ from moerun.families import family
 from moerun.families.moe_block import sanitize
 from moerun.offload.pieces import MXFP4_GPT_OSS, ExpertPieces, Piece
 from moerun.quant.formats import FormatError, QTensor, get_format, storage_free
+from moerun.quant.halves import ExpertViews, GateUpHalves
 from moerun.quant.mxfp4_layouts import gpt_oss_layout_bytes
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
@@ -64,6 +65,7 @@ def canonical_tensors(
     assemble: bool = True,
     share=None,
     experts_only: bool = False,
+    in_place_dtype: torch.dtype | None = None,
 ) -> tuple[dict[str, torch.Tensor | QTensor | ExpertPieces], dict[str, str]]:
     """(canonical tensors, canonical name -> checkpoint name). Names that fit nothing are kept
     under their own name, so the model's check lists them as unexpected. `get` returns a checkpoint
@@ -73,7 +75,10 @@ def canonical_tensors(
     expert tensors hold only its experts [start, stop), cut before anything is copied (per-expert
     tensors: only the share's are stacked). `experts_only` (expert parallelism, every rank but 0,
     which never computes the rest): every tensor but the routed experts is a storage-free stand-in
-    (moerun.quant.formats.storage_free), and so is what is made of them: nothing of them is read."""
+    (moerun.quant.formats.storage_free), and so is what is made of them: nothing of them is read.
+    `in_place_dtype` (a backend that reads experts where they lie): per-expert projections in that
+    dtype are not stacked but kept as views of the file (moerun.quant.halves: gate_up as
+    `GateUpHalves` of two `ExpertViews`, down as `ExpertViews`)."""
     dense = (lambda name: storage_free(get(name))) if experts_only else get
     tensors: dict[str, torch.Tensor | QTensor] = {}
     sources: dict[str, str] = {}
@@ -98,7 +103,16 @@ def canonical_tensors(
     for layer, block in blocks.items():
         prefix = f"layers.{layer}."
         if config.moe_layers[layer]:
-            moe, moe_sources = _moe_block(model_type, block, get, release, assemble, share, dense)
+            moe, moe_sources = _moe_block(
+                model_type,
+                block,
+                get,
+                release,
+                assemble,
+                share,
+                dense,
+                None if experts_only else in_place_dtype,
+            )
             tensors.update({prefix + "moe." + k: v for k, v in moe.items()})
             sources.update({prefix + "moe." + k: v for k, v in moe_sources.items()})
         else:
@@ -179,13 +193,33 @@ def _described(parts: list[list[str]], get) -> ExpertPieces | None:
     return ExpertPieces((len(parts), rows[-1], first[0].shape[1]), first[0].dtype, None, pieces)
 
 
+def _in_place(parts: list[list[str]], get, dtype: torch.dtype) -> GateUpHalves | ExpertViews | None:
+    """parts[e] = checkpoint names of expert e's pieces ([gate, up] or [down]) as views where they
+    lie: `GateUpHalves` of two `ExpertViews`, or one `ExpertViews`; None where they are not in `dtype`
+    or not alike (then they are stacked, and `_stacked` reports what is wrong)."""
+    try:
+        columns = [ExpertViews([get(names[i]) for names in parts]) for i in range(len(parts[0]))]
+    except ValueError:
+        return None
+    if columns[0].dtype != dtype or any(c.shape != columns[0].shape for c in columns):
+        return None
+    return columns[0] if len(columns) == 1 else GateUpHalves(*columns)
+
+
 def _moe_block(
-    model_type: str, block: dict[str, str], get, release, assemble: bool, share=None, dense=None
+    model_type: str,
+    block: dict[str, str],
+    get,
+    release,
+    assemble: bool,
+    share=None,
+    dense=None,
+    in_place_dtype: torch.dtype | None = None,
 ) -> tuple[dict, dict]:
-    """One MoE block's checkpoint names (relative to the block) -> canonical MoE tensors; `share`:
-    see canonical_tensors (a tensor whose expert count is not the config's is left whole, for the
-    model's check to report); `dense(name)`: the block's other tensors (router, shared experts),
-    default `get`."""
+    """One MoE block's checkpoint names (relative to the block) -> canonical MoE tensors; `share`,
+    `in_place_dtype`: see canonical_tensors (a tensor whose expert count is not the config's is left
+    whole, for the model's check to report); `dense(name)`: the block's other tensors (router, shared
+    experts), default `get`."""
     dense = dense or get
 
     def cut(t: torch.Tensor) -> torch.Tensor:  # [E, ...] -> the share's experts, a view
@@ -193,6 +227,8 @@ def _moe_block(
 
     per_expert: dict[str, dict[int, str]] = defaultdict(dict)
     fused: dict[str, torch.Tensor] = {}
+    in_place: dict[str, GateUpHalves | ExpertViews] = {}  # canonical name -> experts where they lie
+    in_place_origin: dict[str, str] = {}
     origin: dict[str, str] = {}
     quantised: dict[str, QTensor] = {}
     # a family's original-format names (checkpoints saved with save_original_format) -> transformers'
@@ -218,19 +254,32 @@ def _moe_block(
 
         def stacked(parts: list[list[str]], rel: str, canonical: str):
             as_is = names.get(canonical) == rel and rel not in transposed
+            if assemble and as_is and in_place_dtype is not None:
+                views = _in_place(parts, get, in_place_dtype)
+                if views is not None:  # used where they lie: past the family's table, as they are
+                    in_place[canonical], in_place_origin[canonical] = views, origin_of[rel]
+                    return None
             pieces = None if assemble or not as_is else _described(parts, get)
             return pieces if pieces is not None else _stacked(parts, get, release)
 
         held = range(n) if share is None or n != share.num_experts else range(share.start, share.stop)
+        origin_of = {
+            "experts.gate_up_proj": "experts.*.gate/up weights",
+            "experts.down_proj": "experts.*.down weights",
+        }
         if "gate" in complete and "up" in complete:
             parts = [[complete["gate"][e], complete["up"][e]] for e in held]
-            fused["experts.gate_up_proj"] = stacked(parts, "experts.gate_up_proj", "experts.gate_up")
-            origin["experts.gate_up_proj"] = "experts.*.gate/up weights"
+            if (joined := stacked(parts, "experts.gate_up_proj", "experts.gate_up")) is not None:
+                fused["experts.gate_up_proj"] = joined
+                origin["experts.gate_up_proj"] = origin_of["experts.gate_up_proj"]
         if "down" in complete:
             parts = [[complete["down"][e]] for e in held]
-            fused["experts.down_proj"] = stacked(parts, "experts.down_proj", "experts.down")
-            origin["experts.down_proj"] = "experts.*.down weights"
+            if (joined := stacked(parts, "experts.down_proj", "experts.down")) is not None:
+                fused["experts.down_proj"] = joined
+                origin["experts.down_proj"] = origin_of["experts.down_proj"]
     tensors, sources = sanitize(model_type, fused)
+    tensors.update(in_place)
+    sources.update(in_place_origin)
     for rel, q in quantised.items():  # GPT-OSS MXFP4 blocks are stored [E, out, in/32, 16]: not transposed
         canonical = {"experts.gate_up_proj": "experts.gate_up", "experts.down_proj": "experts.down"}.get(
             rel, rel

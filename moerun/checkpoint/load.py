@@ -83,10 +83,12 @@ def _hf_model(
     streamed: bool,
     share=None,
     experts_only: bool = False,
+    experts_in_place: bool = False,
 ) -> tuple[dict, list[MappedFile]]:
     """The checkpoint's canonical tensors, checked, in their compute dtypes; `share` (expert
     parallelism, resident experts): only this rank's experts, cut before anything is copied;
-    `experts_only` (every rank but 0): every other tensor a storage-free stand-in, nothing read."""
+    `experts_only` (every rank but 0): every other tensor a storage-free stand-in, nothing read;
+    `experts_in_place`: per-expert projections already in `dtype` stay views of the file."""
 
     def release(name: str) -> None:
         if name in checkpoint:
@@ -102,6 +104,7 @@ def _hf_model(
             assemble=not streamed,
             share=share,
             experts_only=experts_only,
+            in_place_dtype=dtype if experts_in_place else None,
         )
     except CheckpointError as err:
         raise in_file(err, root) from None
@@ -205,7 +208,7 @@ def load(
             expert_cache_gb = fit.budget_bytes / 2**30
             prefetch_k = opened.config.moe.top_k if prefetch_k is None else prefetch_k
     streamed = expert_cache_gb is not None
-    in_place = device.type == "cpu" and backend.reads_gate_up_halves  # its kernels check the experts
+    in_place = device.type == "cpu" and backend.reads_experts_in_place  # its kernels check the experts
     config, tensors, files = opened.tensors(dtype, streamed, expert_parallel or None, in_place)
     expert_cache = None
     if streamed:
@@ -275,7 +278,9 @@ class _Opened:
             )
             _refuse_nonfinite_scales(self.gguf, tensors, experts_too=not streamed and not experts_in_place)
             return config, tensors, [MappedFile(self.gguf.path, self.gguf.mapped)]
-        loaded = _hf_model(self.root, self.hf, self.config, dtype, streamed, share, experts_only)
+        loaded = _hf_model(
+            self.root, self.hf, self.config, dtype, streamed, share, experts_only, experts_in_place
+        )
         return (self.config, *loaded)
 
     def tokenizer(self) -> Tokenizer | None:

@@ -16,9 +16,9 @@ import torch
 from moerun.quant.cache import DequantCache
 from moerun.quant.dequant import dequantize, dequantize_bytes
 from moerun.quant.formats import QTensor
-from moerun.quant.halves import GateUpHalves
+from moerun.quant.halves import ExpertViews, GateUpHalves
 
-Weight = torch.Tensor | QTensor | GateUpHalves
+Weight = torch.Tensor | QTensor | GateUpHalves | ExpertViews
 
 # Rows of a quantised projection dequantised at once in `matvec`: 2 MiB of fp32 (256 rows of H=2048).
 # Smaller tiles measured 3-4x slower: eager dequantisation is a dozen torch ops per tile, so per-op
@@ -61,7 +61,7 @@ class ExpertWeights:
         weight = self.gate_up if projection == "gate_up" else self.down
         if self.stream is None:
             e = e if self._row is None else self._row[e]
-            return weight.expert(e) if isinstance(weight, QTensor | GateUpHalves) else weight[e]
+            return weight.expert(e) if isinstance(weight, QTensor | GateUpHalves | ExpertViews) else weight[e]
         data = self.stream.tensors(e)[projection]
         return QTensor(weight.format, weight.shape[1:], data) if isinstance(weight, QTensor) else data
 

@@ -35,7 +35,7 @@ from moerun.offload.stream import LayerStream
 from moerun.placement import given_back, place
 from moerun.quant.dequant import dequantize
 from moerun.quant.formats import QTensor
-from moerun.quant.halves import GateUpHalves
+from moerun.quant.halves import ExpertViews, GateUpHalves, file_views
 
 
 @dataclass(frozen=True)
@@ -160,11 +160,12 @@ class MoELayer:
             if streamed and key in _EXPERT_PROJECTIONS:
                 placed[key] = tensor
                 continue
-            if isinstance(tensor, GateUpHalves):
-                if _used_apart(tensor, run):
+            if isinstance(tensor, GateUpHalves | ExpertViews):
+                if _used_in_place(tensor, run):
                     placed[key] = tensor  # read in place by the native kernels
                     continue
-                tensor = joined(tensor)
+                quantised = isinstance(tensor, GateUpHalves) and tensor.quantised
+                tensor = joined(tensor, None if quantised else run.dtype)
             if isinstance(tensor, QTensor) and key in _EXPERT_PROJECTIONS:
                 # quantised experts stay where the file put them: no BLAS reads them, and the
                 # quantised kernels' sums do not depend on an address
@@ -321,20 +322,23 @@ class MoELayer:
             after_fetch()
 
 
-def _used_apart(halves: GateUpHalves, run: RunSpec) -> bool:
-    """Whether the layer keeps gate and up experts apart, where the file put them: on the CPU, for a
-    backend whose kernels read the halves, when they need no conversion to the compute dtype."""
+def _used_in_place(weight: GateUpHalves | ExpertViews, run: RunSpec) -> bool:
+    """Whether the layer keeps routed experts where the file put them (gate and up apart, or each
+    expert's matrix on its own): on the CPU, for a backend whose kernels read them so, when they need
+    no conversion to the compute dtype."""
+    quantised = isinstance(weight, GateUpHalves) and weight.quantised
     return (
         run.device.type == "cpu"
-        and run.backend.reads_gate_up_halves
-        and (halves.quantised or halves.dtype == run.dtype)
+        and run.backend.reads_experts_in_place
+        and (quantised or weight.dtype == run.dtype)
     )
 
 
-def joined(halves: GateUpHalves):
-    """The halves joined into one [E, 2I, H] weight in RAM, the file map's pages of them given back."""
-    out = halves.joined()
-    given_back(*(part.data if isinstance(part, QTensor) else part for part in (halves.gate, halves.up)))
+def joined(weight: GateUpHalves | ExpertViews, dtype: torch.dtype | None = None):
+    """The experts as one [E, rows, H] weight in RAM (dense ones in `dtype`), the file map's pages of
+    them given back."""
+    out = weight.joined(dtype) if isinstance(weight, GateUpHalves) else weight.stacked(dtype)
+    given_back(*file_views(weight))
     return out
 
 

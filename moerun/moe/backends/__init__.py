@@ -15,8 +15,8 @@ rows), `shared_expert`, and `linear` for every other projection. What it declare
                     (triton's one grouped GEMM reads every touched expert at once: no)
   native_linears    every linear runs on its kernels, quantised weights kept in the file's format
   one_call_decode   one token of one sequence runs as native calls (moerun.decoder.native_step)
-  reads_gate_up_halves  its kernels read routed gate and up experts stored apart
-                    (moerun.quant.halves.GateUpHalves) where they lie: no joined copy
+  reads_experts_in_place  its kernels read routed experts where the file put them: gate and up
+                    apart, or each expert's matrix on its own (moerun.quant.halves): no copy
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class Backend:
     streams_prefill: ClassVar[bool] = True
     native_linears: ClassVar[bool] = False
     one_call_decode: ClassVar[bool] = False
-    reads_gate_up_halves: ClassVar[bool] = False
+    reads_experts_in_place: ClassVar[bool] = False
 
     def __init__(self, activations: ActivationMode = ActivationMode.EXACT):
         self.activations = activations

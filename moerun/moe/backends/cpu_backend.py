@@ -34,24 +34,30 @@ from moerun.moe.plan import BatchedPlan
 from moerun.moe.routing import RouterCheck, SoftmaxTopK, TopKSoftmax, check_logits
 from moerun.moe.trace import LayerTrace
 from moerun.quant.formats import QTensor
-from moerun.quant.halves import GateUpHalves
+from moerun.quant.halves import ExpertViews, GateUpHalves
 from moerun.quant.scales import first_nonfinite_block
 
 
 @dataclass(frozen=True)
 class _Column:
-    """Where expert (or slot) i's part of one projection or bias lies: base + i * stride bytes."""
+    """Where expert (or slot) i's part of one projection or bias lies: base + i * stride bytes, or
+    `apart[i]` for matrices that lie apart (ExpertViews: each expert's tensor of a checkpoint)."""
 
     base: int
     stride: int
+    apart: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, stacked: torch.Tensor | None) -> _Column:
+    def of(cls, stacked: torch.Tensor | ExpertViews | None) -> _Column:
         if stacked is None:
             return cls(0, 0)
+        if isinstance(stacked, ExpertViews):
+            return cls(0, 0, tuple(view.data_ptr() for view in stacked.views))
         return cls(stacked.data_ptr(), stacked.stride(0) * stacked.element_size())
 
     def at(self, i: int) -> int:
+        if self.apart:
+            return self.apart[i]
         return self.base + i * self.stride if self.base else 0
 
 
@@ -60,8 +66,9 @@ class _Table:
     weights, or the cache's slot pool), so their addresses are read once: `by_place` holds every
     expert's (or slot's) weight addresses (gate_up's gate half, its up half, the bytes between their
     rows, down), `by_expert` every expert's bias addresses. Resident gate and up stored apart
-    (GateUpHalves) are read where the file put them; a joined gate_up [2I, H] (a slot, or a whole
-    weight) is read as its halves: gate rows then up rows, or (`interleaved`) alternating rows."""
+    (GateUpHalves), and experts whose matrices lie apart (ExpertViews), are read where the file put
+    them; a joined gate_up [2I, H] (a slot, or a whole weight) is read as its halves: gate rows then
+    up rows, or (`interleaved`) alternating rows."""
 
     def __init__(self, experts: ExpertWeights, interleaved: bool):
         I = experts.down.shape[-1]  # noqa: E741
@@ -163,9 +170,9 @@ def _stacked(experts: ExpertWeights, projection: str, weight) -> tuple[str, torc
     return native_weight(pool)[0], pool
 
 
-def _row_stride(rows: torch.Tensor) -> int:
+def _row_stride(rows: torch.Tensor | ExpertViews) -> int:
     """Bytes from one row of a [places, rows, row] weight to the next."""
-    return rows.stride(-2) * rows.element_size()
+    return rows.row_stride if isinstance(rows, ExpertViews) else rows.stride(-2) * rows.element_size()
 
 
 _TABLES: weakref.WeakKeyDictionary[ExpertWeights, _Table] = weakref.WeakKeyDictionary()
@@ -195,7 +202,7 @@ class CpuBackend(TorchBackend):
     streams_prefill = True  # a step runs one native call per group of experts the cache holds
     native_linears = True
     one_call_decode = True
-    reads_gate_up_halves = True
+    reads_experts_in_place = True
 
     def unsupported(self, experts: ExpertWeights) -> str | None:
         if not cpu.available():

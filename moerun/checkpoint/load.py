@@ -25,7 +25,7 @@ from moerun.families import family
 from moerun.families.fields import CheckedConfig
 from moerun.loader import GGUFFile, SafetensorsCheckpoint, resolve_checkpoint
 from moerun.loader.hf_config import read_hf_config
-from moerun.loader.mapped import MappedFile
+from moerun.loader.mapped import MappedFile, populate_in_background
 from moerun.model import MoEModel
 from moerun.moe.backends import ActivationMode, make_backend
 from moerun.moe.layer import FP32_TENSORS
@@ -34,7 +34,7 @@ from moerun.offload import CacheBudgetError, ExpertCache, ExpertStore
 from moerun.offload.pieces import stand_ins
 from moerun.quant.cache import DequantCache
 from moerun.quant.formats import QTensor
-from moerun.quant.halves import GateUpHalves
+from moerun.quant.halves import GateUpHalves, file_views
 from moerun.quant.scales import first_nonfinite_block
 from moerun.text.tokenizer import Tokenizer
 
@@ -235,7 +235,20 @@ def load(
     model = MoEModel(config, stand_ins(tensors), run, opened.tokenizer(), progress)
     if expert_cache is not None:  # the dense part is the model's own now: its file pages may go
         expert_cache.store.drop_cached()
+    elif device.type == "cpu":  # experts read in place: their pages mapped ahead of the first tokens
+        populate_in_background(_routed_expert_views(model))
     return model
+
+
+def _routed_expert_views(model: MoEModel) -> list[torch.Tensor]:
+    """The tensors a resident model's routed experts read (views of the file where they are used
+    in place, else the model's own copies, which `populate` skips)."""
+    views = []
+    for mlp in model.mlps:
+        experts = getattr(mlp, "experts", None)
+        if experts is not None:
+            views += [*file_views(experts.gate_up), *file_views(experts.down)]
+    return views
 
 
 @dataclass

@@ -624,6 +624,8 @@ def test_a_rank_other_than_0_reads_nothing_but_its_experts(name, streamed, tmp_p
     import moerun.checkpoint.load as load
 
     monkeypatch.setattr(load, "MoEModel", lambda config, tensors, *rest: (config, tensors))
+    monkeypatch.setattr(load, "populate_in_background", lambda views: None)
+    monkeypatch.setattr(load, "_routed_expert_views", lambda model: [])
     options = {"expert_cache_gb": 1.0} if streamed else {}
     config, tensors = moerun.load(
         LOADED[name](tmp_path), dtype=torch.float32, expert_parallel=_Rank1Of2(), **options

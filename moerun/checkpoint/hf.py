@@ -104,14 +104,7 @@ def canonical_tensors(
         prefix = f"layers.{layer}."
         if config.moe_layers[layer]:
             moe, moe_sources = _moe_block(
-                model_type,
-                block,
-                get,
-                release,
-                assemble,
-                share,
-                dense,
-                None if experts_only else in_place_dtype,
+                model_type, block, get, release, assemble, share, dense, in_place_dtype
             )
             tensors.update({prefix + "moe." + k: v for k, v in moe.items()})
             sources.update({prefix + "moe." + k: v for k, v in moe_sources.items()})

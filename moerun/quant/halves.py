@@ -66,6 +66,10 @@ class ExpertViews:
         return self.views[0].is_floating_point()
 
     @property
+    def is_meta(self) -> bool:
+        return self.views[0].is_meta
+
+    @property
     def row_stride(self) -> int:
         """Bytes from one row of an expert's matrix to the next."""
         return self.views[0].stride(0) * self.element_size()

@@ -45,6 +45,7 @@ static inline __attribute__((always_inline)) void q4_k_body(ROWS_ARGS) {
         for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), accm[t] = _mm_setzero_ps();
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 144;
+            prefetch_ahead(blk, 144);
             const float d = f16_at(blk), dmin = f16_at(blk + 2);
             const __m128i sm = k4_sm(blk + 4);
             const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
@@ -82,6 +83,7 @@ static inline __attribute__((always_inline)) void q6_k_body(ROWS_ARGS) {
         for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 210;
+            prefetch_ahead(blk, 210);
             const float d = f16_at(blk + 208);
             const int8_t *sc = (const int8_t *)(blk + 192);
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
@@ -128,6 +130,7 @@ static inline __attribute__((always_inline)) void b32_body(ROWS_ARGS, int kind) 
         for (int t = 0; t < T; t++) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < n / 32; b++) {
             float d;
+            prefetch_ahead(row + b * bytes, (int)bytes);
             __m256i wv = b32_weights(row + b * bytes, kind, &d);
             __m256i wa = kind == F_Q4_0 ? wv : _mm256_sign_epi8(wv, wv);
             for (int t = 0; t < T; t++) {

@@ -22,6 +22,7 @@ static inline __attribute__((always_inline)) void q45_k_body(ROWS_ARGS, int five
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * (five ? 176 : 144);
             const uint8_t *qs = blk + (five ? 48 : 16);
+            prefetch_ahead(blk, five ? 176 : 144);
             const float d = f16_at(blk), dmin = f16_at(blk + 2);
             const __m128i scmn = k4_scales_mins(blk + 4);
             const __m512i scv = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scmn)); /* 16-bit: sc 0-7 */
@@ -71,6 +72,7 @@ static inline __attribute__((always_inline)) void q6_k_body(ROWS_ARGS) {
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 210;
+            prefetch_ahead(blk, 210);
             __m512i q[4];
             q6k_weights(blk, q);
             const __m512 dsc = q6k_scales(blk);
@@ -111,6 +113,7 @@ static inline __attribute__((always_inline)) void q23_k_body(ROWS_ARGS, int thre
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps(), accm[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * bytes, *qs = blk + (three ? 32 : 16);
+            prefetch_ahead(blk, bytes);
             float d, dmin = 0;
             __m128i sc8, mn8 = _mm_setzero_si128();
             if (three) {
@@ -184,6 +187,7 @@ static inline __attribute__((always_inline)) void b32_int(ROWS_ARGS, int kind) {
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b += 2) {
             const int two = b + 1 < nb;
+            prefetch_ahead(row + b * bytes, 2 * (int)bytes);
             float d0, d1 = 0;
             __m256i w0 = b32_weights(row + b * bytes, kind, &d0);
             __m256i w1 = two ? b32_weights(row + (b + 1) * bytes, kind, &d1) : _mm256_setzero_si256();
@@ -270,6 +274,7 @@ static inline __attribute__((always_inline)) void b32x4_int(ROWS_ARGS, int kind)
         for (int t = 0; t < T; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb4; b += 4) {
             const uint8_t *blk = row + b * bytes;
+            prefetch_ahead(blk, 4 * (int)bytes);
             __m512i wv[2];
             b32x4_nibbles(blk, bytes, off, kind, KVALUES_MXFP4, wv);
             float d[4];
@@ -337,6 +342,7 @@ static inline __attribute__((always_inline)) void b32_one(ROWS_ARGS, int kind) {
         }
         for (int64_t b = 0; b < nb; b += 4) {
             const uint8_t *blk = row + b * bytes;
+            prefetch_ahead(blk, 4 * (int)bytes);
             __m512i wv[2];
             b32x4_nibbles(blk, bytes, 1, kind, KVALUES_MXFP4_U12, wv);
             const int64_t u = b / 2;

@@ -14,6 +14,7 @@ static inline __attribute__((always_inline)) void b32_exact(ROWS_ARGS, int kind)
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < n / 32; b++) {
             float d;
+            prefetch_ahead(row + b * bytes, bytes);
             __m256i q = b32_weights(row + b * bytes, kind, &d);
             if (kind == F_Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
             const __m512 dv = _mm512_set1_ps(d);
@@ -39,6 +40,7 @@ static inline __attribute__((always_inline)) void q4_k_exact_body(ROWS_ARGS) {
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 144;
+            prefetch_ahead(blk, 144);
             const float d = f16_at(blk), dmin = f16_at(blk + 2);
             uint8_t sm[16];
             _mm_storeu_si128((__m128i *)sm, k4_scales_mins(blk + 4));
@@ -73,6 +75,7 @@ static inline __attribute__((always_inline)) void q6_k_exact_body(ROWS_ARGS) {
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 210;
+            prefetch_ahead(blk, 210);
             const float d = f16_at(blk + 208);
             const int8_t *sc = (const int8_t *)(blk + 192);
             for (int h = 0; h < 2; h++) {

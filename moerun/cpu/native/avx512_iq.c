@@ -127,6 +127,7 @@ static inline __attribute__((always_inline)) void pairs_body(ROWS_ARGS, int byte
         float acc[MAX_T] = {0};
         for (int64_t b = 0; b < n / 256; b++) {
             pairs_t s;
+            prefetch_ahead(row + b * bytes, bytes);
             decode(row + b * bytes, &s);
             for (int t = 0; t < T; t++) {
                 const q8k_t *y = (const q8k_t *)xs[t] + b;

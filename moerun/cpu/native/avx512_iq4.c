@@ -116,6 +116,7 @@ static inline __attribute__((always_inline)) void b32_rest(const uint8_t *row, c
     const int64_t nb4 = nb / 4 * 4;
     for (; b < nb4; b += 4) {
         const uint8_t *blk = row + b * bytes;
+        prefetch_ahead(blk, 4 * bytes);
         __m512i u[2];
         nibbles_x4(blk, bytes, at, kind == F_IQ4_NL ? IQ4NL_UNSIGNED : NULL, u);
         if (kind == F_Q5_0 || kind == F_Q5_1) {
@@ -199,6 +200,7 @@ static inline __attribute__((always_inline)) void iq4_xs_body(ROWS_ARGS) {
         float acc[MAX_T] = {0};
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 136;
+            prefetch_ahead(blk, 136);
             const float d = f16_at(blk);
             const __m512i scv = _mm512_castsi128_si512(_mm256_cvtepi32_epi16(iq4_xs_scales(blk))); /* int16 */
             __m512i q[4], qa[4], sc[4];
@@ -235,6 +237,7 @@ static inline __attribute__((always_inline)) void b32_exact_body(ROWS_ARGS, int 
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < n / 32; b++) {
             float d, m = 0;
+            prefetch_ahead(row + b * bytes, bytes);
             __m256i q = b32_codes(row + b * bytes, kind, &d, &m);
             if (kind == F_Q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
             __m512 v[2];
@@ -261,6 +264,7 @@ static inline __attribute__((always_inline)) void iq4_xs_exact_body(ROWS_ARGS) {
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < n / 256; b++) {
             const uint8_t *blk = row + b * 136;
+            prefetch_ahead(blk, 136);
             const float d = f16_at(blk);
             int32_t ls[8];
             _mm256_storeu_si256((__m256i *)ls, iq4_xs_scales(blk));

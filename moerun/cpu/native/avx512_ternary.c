@@ -137,6 +137,7 @@ static inline __attribute__((always_inline)) void ternary_body(ROWS_ARGS, int by
         float acc[MAX_T] = {0};
         for (int64_t b = 0; b < n / 256; b++) {
             __m512i code[4];
+            prefetch_ahead(row + b * bytes, bytes);
             decode(row + b * bytes, code);
             const float d = f16_at(row + b * bytes + d_at);
             for (int t = 0; t < T; t++) {
@@ -283,6 +284,7 @@ static inline __attribute__((always_inline)) void iq1_body(ROWS_ARGS, int bytes,
         float acc[MAX_T] = {0};
         for (int64_t b = 0; b < n / 256; b++) {
             iq1_int_t s;
+            prefetch_ahead(row + b * bytes, bytes);
             decode(row + b * bytes, &s);
             for (int t = 0; t < T; t++) {
                 const q8k_t *y = (const q8k_t *)xs[t] + b;

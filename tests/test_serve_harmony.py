@@ -17,7 +17,7 @@ from moerun.batching import TextRelease, Token
 from moerun.text.reply import ReplyDelta, ReplyFormat
 
 pytest.importorskip("uvicorn")
-from moerun.serve.server import start  # noqa: E402
+from scripted_server import scripted_server  # noqa: E402
 
 MARKERS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>"]
 TEMPLATE = (
@@ -72,22 +72,7 @@ def test_the_parser_on_moerun_s_text_stream(checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    model = moerun.load(checkpoint, dtype=torch.float32)
-    vocab = model.config.vocab_size
-    script = {"ids": [], "n": 0}
-
-    def scripted_logits(hidden):  # one sequence at a time: the k-th call picks the reply's k-th id
-        logits = torch.full((vocab,), -1e4)
-        logits[script["ids"][min(script["n"], len(script["ids"]) - 1)]] = 0.0
-        script["n"] += 1
-        return logits
-
-    def play(reply: str = REPLY) -> None:
-        script.update(ids=model.tokenizer.encode(reply, add_special_tokens=False), n=0)
-
-    model.hidden_logits = scripted_logits
-    running = start(model, model_name="gpt-oss-tiny", parallel=1)
-    running.reset = play
+    running = scripted_server(checkpoint, "gpt-oss-tiny")
     yield running
     running.close()
 
@@ -96,7 +81,7 @@ BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "tem
 
 
 def test_the_reasoning_comes_apart_from_the_answer(server):
-    server.reset()
+    server.play(REPLY)
     with httpx.Client(base_url=server.base, timeout=120) as http:
         reply = http.post("/v1/chat/completions", json=BODY).json()
     message = reply["choices"][0]["message"]
@@ -106,7 +91,7 @@ def test_the_reasoning_comes_apart_from_the_answer(server):
 
 
 def test_streamed_the_reasoning_comes_as_its_own_deltas(server):
-    server.reset()
+    server.play(REPLY)
 
     reasoning = content = ""
     body = {**BODY, "stream": True}
@@ -126,7 +111,7 @@ def test_streamed_the_reasoning_comes_as_its_own_deltas(server):
 def test_a_message_to_a_function_is_a_tool_call(server):
     body = {**BODY, "tools": [WEATHER], "max_tokens": 300}
     for stream in (False, True):
-        server.reset(CALL)
+        server.play(CALL)
         with httpx.Client(base_url=server.base, timeout=120) as http:
             if not stream:
                 choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]

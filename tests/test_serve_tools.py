@@ -10,17 +10,14 @@ import json
 
 import httpx
 import pytest
-import torch
 from family_templates import QWEN3
 from hf_models import make_model, save_model
 from tiny_tokenizers import byte_level_tokenizer, save_hf_dir
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
-import moerun
-
 openai = pytest.importorskip("openai")
-from moerun.serve.server import start  # noqa: E402
+from scripted_server import scripted_server  # noqa: E402
 
 WEATHER = {
     "type": "function",
@@ -55,23 +52,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    model = moerun.load(checkpoint, dtype=torch.float32)
-    vocab = model.config.vocab_size
-    script = {"ids": [], "n": 0}
-
-    def scripted_logits(hidden):  # one sequence at a time: the k-th call picks the reply's k-th id
-        logits = torch.full((vocab,), -1e4)
-        logits[script["ids"][min(script["n"], len(script["ids"]) - 1)]] = 0.0
-        script["n"] += 1
-        return logits
-
-    model.hidden_logits = scripted_logits
-
-    def play(reply: str) -> None:
-        script.update(ids=model.tokenizer.encode(reply, add_special_tokens=False), n=0)
-
-    running = start(model, model_name="qwen3-tiny", parallel=1)
-    running.play = play
+    running = scripted_server(checkpoint, "qwen3-tiny")
     yield running
     running.close()
 

@@ -420,10 +420,8 @@ class Batch:
         return start_masks([s.matcher for s in constrained], constrained[0].request.grammar.mask_vocab)
 
     @staticmethod
-    def _masked(logits: torch.Tensor, ready: list[Generation], pending: Future | None) -> torch.Tensor:
+    def _masked(logits: torch.Tensor, ready: list[Generation], pending: Future) -> torch.Tensor:
         """logits [S', V] with the tokens each constrained sequence's grammar forbids at -inf."""
-        if pending is None:
-            return logits
         masks = pending.result()
         constrained = [j for j, s in enumerate(ready) if s.matcher is not None]
         if len(constrained) == len(ready):

@@ -199,6 +199,14 @@ def _in_place(parts: list[list[str]], get, dtype: torch.dtype) -> GateUpHalves |
     return columns[0] if len(columns) == 1 else GateUpHalves(*columns)
 
 
+# per-expert projections joined into transformers' fused ones: (its name, the canonical name, the
+# per-expert pieces joined along rows, what the model's messages call them)
+_PER_EXPERT_PROJECTIONS = (
+    ("experts.gate_up_proj", "experts.gate_up", ("gate", "up"), "experts.*.gate/up weights"),
+    ("experts.down_proj", "experts.down", ("down",), "experts.*.down weights"),
+)
+
+
 def _moe_block(
     model_type: str,
     block: dict[str, str],
@@ -242,41 +250,28 @@ def _moe_block(
     if per_expert:
         n = 1 + max(max(e) for e in per_expert.values())
         complete = {role: experts for role, experts in per_expert.items() if len(experts) == n}
-        # streaming: described, where the family's table takes the stacked tensor as it is
         names, transposed = family(model_type).MOE_NAMES, getattr(family(model_type), "TRANSPOSED", ())
 
-        def stacked(parts: list[list[str]], rel: str, canonical: str):
+        held = range(n) if share is None or n != share.num_experts else range(share.start, share.stop)
+        for rel, canonical, roles, where in _PER_EXPERT_PROJECTIONS:
+            if not all(role in complete for role in roles):
+                continue
+            parts = [[complete[role][e] for role in roles] for e in held]
             as_is = names.get(canonical) == rel and rel not in transposed
             if assemble and as_is and in_place_dtype is not None:
                 views = _in_place(parts, get, in_place_dtype)
                 if views is not None:  # used where they lie: past the family's table, as they are
-                    in_place[canonical], in_place_origin[canonical] = views, origin_of[rel]
-                    return None
+                    in_place[canonical], in_place_origin[canonical] = views, where
+                    continue
+            # streaming: described, where the family's table takes the stacked tensor as it is
             pieces = None if assemble or not as_is else _described(parts, get)
-            return pieces if pieces is not None else _stacked(parts, get, release)
-
-        held = range(n) if share is None or n != share.num_experts else range(share.start, share.stop)
-        origin_of = {
-            "experts.gate_up_proj": "experts.*.gate/up weights",
-            "experts.down_proj": "experts.*.down weights",
-        }
-        if "gate" in complete and "up" in complete:
-            parts = [[complete["gate"][e], complete["up"][e]] for e in held]
-            if (joined := stacked(parts, "experts.gate_up_proj", "experts.gate_up")) is not None:
-                fused["experts.gate_up_proj"] = joined
-                origin["experts.gate_up_proj"] = origin_of["experts.gate_up_proj"]
-        if "down" in complete:
-            parts = [[complete["down"][e]] for e in held]
-            if (joined := stacked(parts, "experts.down_proj", "experts.down")) is not None:
-                fused["experts.down_proj"] = joined
-                origin["experts.down_proj"] = origin_of["experts.down_proj"]
+            fused[rel] = pieces if pieces is not None else _stacked(parts, get, release)
+            origin[rel] = where
     tensors, sources = sanitize(model_type, fused)
     tensors.update(in_place)
     sources.update(in_place_origin)
     for rel, q in quantised.items():  # GPT-OSS MXFP4 blocks are stored [E, out, in/32, 16]: not transposed
-        canonical = {"experts.gate_up_proj": "experts.gate_up", "experts.down_proj": "experts.down"}.get(
-            rel, rel
-        )
+        canonical = next((c for r, c, *_ in _PER_EXPERT_PROJECTIONS if r == rel), rel)
         tensors[canonical], sources[canonical] = q, origin[rel]
     known = {part for src in family(model_type).MOE_NAMES.values() for part in _parts(src)}
     for rel in fused.keys() - known:  # names the family's table does not know: reported as unexpected

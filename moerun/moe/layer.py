@@ -164,8 +164,7 @@ class MoELayer:
                 if _used_in_place(tensor, run):
                     placed[key] = tensor  # read in place by the native kernels
                     continue
-                quantised = isinstance(tensor, GateUpHalves) and tensor.quantised
-                tensor = joined(tensor, None if quantised else run.dtype)
+                tensor = joined(tensor, run.dtype)
             if isinstance(tensor, QTensor) and key in _EXPERT_PROJECTIONS:
                 # quantised experts stay where the file put them: no BLAS reads them, and the
                 # quantised kernels' sums do not depend on an address
@@ -335,8 +334,8 @@ def _used_in_place(weight: GateUpHalves | ExpertViews, run: RunSpec) -> bool:
 
 
 def joined(weight: GateUpHalves | ExpertViews, dtype: torch.dtype | None = None):
-    """The experts as one [E, rows, H] weight in RAM (dense ones in `dtype`), the file map's pages of
-    them given back."""
+    """The experts as one [E, rows, H] weight in RAM (matrices that lie apart stacked in `dtype`; the
+    rest keep theirs, converted when placed), the file map's pages of them given back."""
     out = weight.joined(dtype) if isinstance(weight, GateUpHalves) else weight.stacked(dtype)
     given_back(*file_views(weight))
     return out

@@ -143,11 +143,9 @@ class GateUpHalves:
         return QTensor(self.format, self.shape[1:], data) if self.quantised else data
 
     def joined(self, dtype: torch.dtype | None = None) -> Weight:
-        """The whole joined [E, 2I, H] (a copy; dense halves in `dtype`, default theirs)."""
-        gate, up = (
-            t.stacked(dtype) if isinstance(t, ExpertViews) else _data(t) for t in (self.gate, self.up)
-        )
-        data = join_halves(gate, up, self.interleaved)
+        """The whole joined [E, 2I, H] (a copy; halves whose experts lie apart stacked in `dtype`,
+        default theirs; the others keep theirs)."""
+        data = join_halves(_whole(self.gate, dtype), _whole(self.up, dtype), self.interleaved)
         return QTensor(self.format, self.shape, data) if self.quantised else data
 
     def stand_in(self) -> Weight:
